@@ -1,0 +1,19 @@
+"""fastppl: exact next-token NLL, perplexity and bits per byte of causal language models, fast."""
+__version__ = "0.1.0"
+
+from .config import EvalConfig  # noqa: E402
+from .errors import FastpplError  # noqa: E402
+
+
+def evaluate(config: EvalConfig) -> dict:
+    from .pipeline import evaluate as _evaluate
+    return _evaluate(config)
+
+
+def load_model(spec: str, backend: str = "auto", dtype=None, seed: int = 0):
+    import torch
+    from .models import load_model as _load_model
+    return _load_model(spec, backend, dtype or torch.float32, seed)
+
+
+__all__ = ["EvalConfig", "FastpplError", "evaluate", "load_model", "__version__"]

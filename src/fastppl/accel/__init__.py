@@ -1,0 +1,1 @@
+"""Performance features applied around a built model or a hot function."""

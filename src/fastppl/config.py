@@ -1,0 +1,73 @@
+"""Configuration dataclasses; the CLI is a thin mapping onto these."""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from .errors import FastpplError
+
+WINDOW_MODES = ("chunked", "sliding")
+DTYPES = ("auto", "fp32", "bf16", "fp16")
+BACKENDS = ("auto", "native", "hf")
+
+
+def cache_dir() -> Path:
+    """Where downloads, token ids and compiled artefacts are kept (FASTPPL_CACHE_DIR overrides)."""
+    root = os.environ.get("FASTPPL_CACHE_DIR")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg) / "fastppl" if xdg else Path.home() / ".cache" / "fastppl"
+
+
+@dataclass
+class EvalConfig:
+    model: str                          # HF directory, hub id, or random:<preset>
+    data: list[str]                     # paths or built-in corpus names
+    tokenizer: Optional[str] = None     # defaults to the model's own tokenizer
+    split: str = "all"                  # train | val | all (nanoGPT's 90/10 split by characters)
+    text_field: str = "text"            # the field of a .jsonl line that holds the document
+    data_dir: Optional[str] = None      # local copies of built-in corpora (or FASTPPL_DATA_DIR)
+    errors: str = "strict"              # undecodable bytes: strict (error) or replace
+    window: str = "chunked"             # chunked | sliding, see fastppl.data.windows
+    ctx: Optional[int] = None           # tokens per window; None = the model's maximum
+    stride: Optional[int] = None        # sliding only; None = ctx // 2
+    bos: bool = False                   # sliding only: prefix BOS so that the first token is scored
+    batch_size: int = 8
+    device: str = "auto"                # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"                 # auto = bf16 on CUDA, fp32 on CPU
+    backend: str = "auto"               # auto = native when the architecture has one, else hf
+    compile: str = "auto"               # auto | on | off
+    loss_chunk_rows: int = 8192         # rows of the output projection computed at once
+    seed: int = 0                       # seeds random:<preset> weights
+    per_token: Optional[str] = None     # .npy of per-token NLL
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        if self.window not in WINDOW_MODES:
+            raise FastpplError(f"unknown --window {self.window!r}; use one of {', '.join(WINDOW_MODES)}")
+        if self.dtype not in DTYPES:
+            raise FastpplError(f"unknown --dtype {self.dtype!r}; use one of {', '.join(DTYPES)}")
+        if self.backend not in BACKENDS:
+            raise FastpplError(f"unknown --backend {self.backend!r}; use one of {', '.join(BACKENDS)}")
+        if self.split not in ("train", "val", "all"):
+            raise FastpplError(f"unknown --split {self.split!r}; use train, val or all")
+        if self.errors not in ("strict", "replace"):
+            raise FastpplError(f"unknown --errors {self.errors!r}; use strict or replace")
+        if self.compile not in ("auto", "on", "off"):
+            raise FastpplError(f"unknown --compile {self.compile!r}; use auto, on or off")
+        if self.batch_size < 1:
+            raise FastpplError(f"--batch-size must be at least 1, got {self.batch_size}")
+        if self.ctx is not None and self.ctx < 2:
+            raise FastpplError(f"--ctx must be at least 2, got {self.ctx}")
+        if self.stride is not None and self.window != "sliding":
+            raise FastpplError("--stride applies to --window sliding only")
+        if self.bos and self.window != "sliding":
+            raise FastpplError("--bos applies to --window sliding only (chunked windows always start with BOS)")
+        if self.loss_chunk_rows < 1:
+            raise FastpplError("--loss-chunk-rows must be at least 1")
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,1 @@
+"""Corpora, tokenisation with a disk cache, and windowing (pure functions)."""

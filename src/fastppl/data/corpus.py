@@ -1,0 +1,161 @@
+"""Corpora: a UTF-8 text file (one document), a .jsonl file (one document per line), or a built-in."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from ..config import cache_dir
+from ..errors import FastpplError
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str      # "path" for a text file, "path:line" for a .jsonl line
+    text: str
+
+
+@dataclass(frozen=True)
+class BuiltinCorpus:
+    filename: str
+    url: str
+    n_bytes: int
+    sha256: str
+
+
+BUILTINS = {
+    "tinyshakespeare": BuiltinCorpus(
+        filename="tinyshakespeare.txt",
+        url="https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt",
+        n_bytes=1_115_394,
+        sha256="86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed",
+    ),
+}
+
+
+def split_text(text: str, split: str) -> str:
+    """nanoGPT's split: the first 90 % of the characters are train, the last 10 % val."""
+    cut = int(len(text) * 0.9)
+    return {"train": text[:cut], "val": text[cut:], "all": text}[split]
+
+
+def decode_utf8(raw: bytes, name: str, errors: str) -> str:
+    try:
+        return raw.decode("utf-8", errors=errors)
+    except UnicodeDecodeError as e:
+        raise FastpplError(
+            f"{name}: byte {e.start} (0x{raw[e.start]:02x}) is not valid UTF-8; "
+            "fix the file or pass --errors replace to substitute U+FFFD"
+        ) from None
+
+
+def read_bytes(path: Path) -> bytes:
+    if not path.exists():
+        raise FastpplError(f"{path}: no such file; check the --data path")
+    if path.is_dir():
+        raise FastpplError(f"{path}: is a directory; pass a .txt or .jsonl file")
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise FastpplError(f"{path}: cannot be read ({e.strerror})") from None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _download(url: str, dest: Path, expected_sha256: str) -> None:
+    """Download to a temporary file beside dest, verify, then rename: no partial file is ever left."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=dest.name + ".")
+    try:
+        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=30) as response:
+            shutil.copyfileobj(response, out)
+        if _sha256(Path(tmp)) != expected_sha256:
+            raise FastpplError(f"download of {url} does not match its sha256; try again later")
+        os.replace(tmp, dest)
+    except OSError as e:
+        raise FastpplError(
+            f"cannot download {url} ({getattr(e, 'reason', e)}); offline, put the file in a directory "
+            "and pass --data-dir DIR (or set FASTPPL_DATA_DIR), or pass --data PATH"
+        ) from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def builtin_path(name: str, data_dir: Optional[str]) -> Path:
+    """A verified local copy of a built-in corpus: --data-dir, FASTPPL_DATA_DIR, the cache, else download."""
+    corpus = BUILTINS[name]
+    candidates = [d for d in (data_dir, os.environ.get("FASTPPL_DATA_DIR")) if d]
+    for directory in candidates:
+        path = Path(directory) / corpus.filename
+        if path.exists():
+            if path.stat().st_size != corpus.n_bytes or _sha256(path) != corpus.sha256:
+                raise FastpplError(f"{path}: is not the {name} corpus (size or sha256 differ); replace it")
+            return path
+    if candidates:
+        raise FastpplError(
+            f"{name}: no {corpus.filename} in {', '.join(candidates)}; put the file there or drop --data-dir"
+        )
+    cached = cache_dir() / "data" / corpus.filename
+    if not (cached.exists() and _sha256(cached) == corpus.sha256):
+        _download(corpus.url, cached, corpus.sha256)
+    return cached
+
+
+def _jsonl_documents(raw_text: str, path: Path, text_field: str) -> list[Document]:
+    documents = []
+    for line_number, line in enumerate(raw_text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise FastpplError(f"{path}:{line_number}: not valid JSON ({e.msg}); fix the line") from None
+        if not isinstance(record, dict) or text_field not in record:
+            raise FastpplError(
+                f"{path}:{line_number}: no field {text_field!r}; pass --text-field NAME"
+            )
+        if not isinstance(record[text_field], str):
+            raise FastpplError(f"{path}:{line_number}: field {text_field!r} is not a string")
+        documents.append(Document(id=f"{path}:{line_number}", text=record[text_field]))
+    return documents
+
+
+def load_documents(
+    source: str, split: str = "all", text_field: str = "text",
+    data_dir: Optional[str] = None, errors: str = "strict",
+) -> list[Document]:
+    """Documents of one --data argument. A split applies to a single text (train/val of its characters)."""
+    if source in BUILTINS:
+        path = builtin_path(source, data_dir)
+        text = decode_utf8(read_bytes(path), str(path), errors)
+        return [Document(id=source, text=split_text(text, split))]
+    path = Path(source)
+    if not path.exists() and "/" not in source and "." not in source:
+        raise FastpplError(
+            f"{source!r}: not a file and not a built-in corpus ({', '.join(BUILTINS)}); check --data"
+        )
+    raw = read_bytes(path)
+    if not raw.strip():
+        raise FastpplError(f"{path}: is empty; pass a file with text in it")
+    text = decode_utf8(raw, str(path), errors)
+    if path.suffix == ".jsonl":
+        if split != "all":
+            raise FastpplError("--split train/val applies to a single text; use --split all with .jsonl")
+        documents = _jsonl_documents(text, path, text_field)
+        if not documents:
+            raise FastpplError(f"{path}: holds no documents")
+        return documents
+    return [Document(id=str(path), text=split_text(text, split))]

@@ -1,0 +1,26 @@
+"""Per-token NLL from final hidden states, applying the output projection a chunk of rows at a time,
+so that at most (chunk_rows, V) logits exist at once instead of (B, T, V)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def chunked_token_nll(
+    hidden: torch.Tensor,            # (N, C) in the model's dtype
+    weight: torch.Tensor,            # (V, C) output projection
+    targets: torch.Tensor,           # (N,) int64 token ids
+    bias: Optional[torch.Tensor] = None,
+    chunk_rows: int = 8192,
+) -> torch.Tensor:
+    """(N,) fp32 negative log-likelihood of each target. Logits are upcast to fp32 before the
+    log-softmax, so bf16 weights lose only the rounding of the logits themselves."""
+    pieces = []
+    for begin in range(0, hidden.shape[0], chunk_rows):
+        logits = F.linear(hidden[begin:begin + chunk_rows], weight, bias).float()   # (c, V)
+        pieces.append(F.cross_entropy(logits, targets[begin:begin + chunk_rows], reduction="none"))
+    # concatenated, not written into a preallocated buffer: slice assignment inside a compiled
+    # loop hit an illegal memory access in Inductor on torch 2.11 (docs/h200-findings)
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]

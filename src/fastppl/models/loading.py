@@ -1,0 +1,144 @@
+"""Resolve --model: random:<preset>, a local Hugging Face checkpoint directory, or a hub id."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from ..errors import FastpplError
+from .gpt2 import GPT2, PRESETS
+from .hf_backend import HFCausalLM
+from .hf_convert import gpt2_config_from_hf, gpt2_config_to_hf, load_hf_gpt2_state_dict
+
+NATIVE_MODEL_TYPES = ("gpt2",)
+RANDOM_PREFIX = "random:"
+
+
+def random_gpt2(preset: str, seed: int = 0) -> GPT2:
+    if preset not in PRESETS:
+        raise FastpplError(
+            f"unknown model random:{preset}; use one of {', '.join(RANDOM_PREFIX + p for p in PRESETS)}"
+        )
+    model = GPT2(PRESETS[preset])
+    model.init_weights(torch.Generator().manual_seed(seed))
+    return model
+
+
+def resolve_checkpoint_dir(spec: str) -> Path:
+    """A local directory as is; otherwise a hub id, downloaded (or taken from the HF cache)."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise FastpplError(f"{spec}: is a file; --model takes a checkpoint directory (config.json + weights)")
+    if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise FastpplError(f"{spec}: no such model directory; check --model")
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(
+            spec, allow_patterns=["*.json", "*.safetensors", "*.bin", "*.txt", "*.model", "*.tiktoken"],
+            ignore_patterns=["*onnx*", "*tflite*", "*flax*", "*msgpack*", "*.h5"],
+        ))
+    except Exception as e:
+        first_line = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise FastpplError(
+            f"unknown model {spec!r}: not a local directory, and the hub did not serve it ({first_line}); "
+            f"offline, pass --model PATH to a checkpoint directory, or random:gpt2 for random weights"
+        ) from None
+
+
+def _read_config(directory: Path) -> dict:
+    config_path = directory / "config.json"
+    if not config_path.exists():
+        raise FastpplError(f"{directory}: has no config.json; pass a Hugging Face checkpoint directory")
+    try:
+        return json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FastpplError(f"{config_path}: is not valid JSON ({e}); the checkpoint is corrupt") from None
+
+
+def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
+    """model.safetensors (or shards), else pytorch_model.bin; a corrupt file is a one-line error."""
+    safetensors_files = sorted(directory.glob("*.safetensors"))
+    bin_files = sorted(directory.glob("pytorch_model*.bin"))
+    if not safetensors_files and not bin_files:
+        raise FastpplError(f"{directory}: holds no model.safetensors or pytorch_model.bin")
+    state: dict[str, torch.Tensor] = {}
+    for file in safetensors_files or bin_files:
+        try:
+            if file.suffix == ".safetensors":
+                from safetensors.torch import load_file
+                state.update(load_file(str(file)))
+            else:
+                state.update(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
+        except Exception as e:
+            first_line = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            raise FastpplError(
+                f"{file}: cannot be read as a checkpoint ({first_line}); the file is corrupt or truncated, "
+                "download it again"
+            ) from None
+    return state
+
+
+def _load_hf(directory: Path, dtype: torch.dtype) -> HFCausalLM:
+    from transformers import AutoModelForCausalLM
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype)
+    except Exception as e:
+        first_line = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise FastpplError(
+            f"{directory}: transformers cannot load it ({first_line}); the checkpoint is corrupt or of an "
+            "unsupported architecture"
+        ) from None
+    return HFCausalLM(hf_model)
+
+
+def load_model(spec: str, backend: str = "auto", dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
+    """A model on the CPU, in eval mode, with the engine's interface (hidden states + lm_head)."""
+    if spec.startswith(RANDOM_PREFIX):
+        native = random_gpt2(spec[len(RANDOM_PREFIX):], seed)
+        if backend == "hf":
+            from transformers import GPT2Config as HFGPT2Config, GPT2LMHeadModel
+            from .hf_convert import gpt2_state_dict_to_hf
+            hf_model = GPT2LMHeadModel(HFGPT2Config(**gpt2_config_to_hf(native.config)))
+            hf_model.load_state_dict(gpt2_state_dict_to_hf(native), strict=False)
+            model: nn.Module = HFCausalLM(hf_model)
+        else:
+            model = native
+        return model.to(dtype).eval()
+
+    directory = resolve_checkpoint_dir(spec)
+    hf_config = _read_config(directory)
+    model_type = hf_config.get("model_type")
+    if backend == "native" and model_type not in NATIVE_MODEL_TYPES:
+        raise FastpplError(
+            f"{spec}: model_type {model_type!r} has no native implementation "
+            f"({', '.join(NATIVE_MODEL_TYPES)}); use --backend hf"
+        )
+    if backend == "hf" or model_type not in NATIVE_MODEL_TYPES:
+        return _load_hf(directory, dtype).eval()
+    try:
+        config = gpt2_config_from_hf(hf_config)
+    except KeyError as e:
+        raise FastpplError(f"{directory}/config.json: lacks {e}; the checkpoint is corrupt") from None
+    with torch.device("meta"):
+        model = GPT2(config)
+    model = model.to_empty(device="cpu")
+    model.lm_head.weight = model.wte.weight  # to_empty unties; tie again
+    load_hf_gpt2_state_dict(model, read_state_dict(directory), str(directory))
+    return model.to(dtype).eval()
+
+
+def save_hf_gpt2(model: GPT2, directory: os.PathLike) -> None:
+    """Write native weights as an HF GPT-2 checkpoint directory (config.json + model.safetensors)."""
+    from safetensors.torch import save_file
+    from .hf_convert import gpt2_state_dict_to_hf
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = gpt2_state_dict_to_hf(model)
+    del state["lm_head.weight"]  # tied: safetensors refuses shared storage
+    save_file({k: v.float().contiguous() for k, v in state.items()}, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(gpt2_config_to_hf(model.config), indent=2))

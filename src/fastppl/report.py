@@ -1,0 +1,66 @@
+"""Reporting: the human summary on stdout, and output files written atomically (no partial files)."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from .errors import FastpplError
+
+
+def check_writable(path: str, flag: str) -> None:
+    """Fail before any work if an output file cannot be written."""
+    parent = Path(path).expanduser().resolve().parent
+    if Path(path).is_dir():
+        raise FastpplError(f"{flag} {path}: is a directory; give a file path")
+    if not parent.is_dir():
+        raise FastpplError(f"{flag} {path}: directory {parent} does not exist; create it or pick another path")
+    if not os.access(parent, os.W_OK):
+        raise FastpplError(f"{flag} {path}: directory {parent} is not writable; pick another path")
+
+
+def write_atomic(path: str, write: Callable, binary: bool = False) -> None:
+    """write(file) into a temporary file beside path, then rename it into place."""
+    target = Path(path).expanduser()
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix="." + target.name + ".")
+    try:
+        with os.fdopen(fd, "wb" if binary else "w") as f:
+            write(f)
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path: str, result: dict) -> None:
+    write_atomic(path, lambda f: (json.dump(result, f, indent=2, allow_nan=True), f.write("\n")))
+
+
+def write_npy(path: str, array) -> None:
+    import numpy as np
+    write_atomic(path, lambda f: np.save(f, array), binary=True)
+
+
+def _bytes(n) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def summary(result: dict) -> str:
+    cfg = result["config"]
+    window = f"{result['window']} ctx={result['ctx']}" + (
+        f" stride={result['stride']}" if result["stride"] else "")
+    lines = [
+        f"model       {cfg['model']}  ({result['dtype']}, {result['environment']['device_name']})",
+        f"data        {', '.join(cfg['data'])}  split={cfg['split']}  {result['documents']} document(s)",
+        f"windows     {window}  {result['windows']:,} windows",
+        f"tokens      {result['tokens_scored']:,} scored of {result['tokens_total']:,}  ({result['bytes']:,} bytes)",
+        f"nll         {result['nll']:.6f} nats/token",
+        f"perplexity  {result['ppl']:.4f}",
+        f"bits/byte   {result['bits_per_byte']:.6f}",
+        f"speed       {result['tokens_per_second']:,.0f} tokens/s  ({result['wall_seconds']:.2f} s wall, "
+        f"compile {result['compile']}, peak {_bytes(result['peak_memory_bytes'])})",
+    ]
+    return "\n".join(lines)
