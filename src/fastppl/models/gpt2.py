@@ -10,6 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .attention import causal_attention
+
 
 @dataclass
 class GPT2Config:
@@ -45,12 +47,12 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)   # fused q, k, v
         self.proj = nn.Linear(config.n_embd, config.n_embd)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         # (B, T, C) -> (B, nh, T, hs)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = causal_attention(q, k, v, document_ids)
         y = y.transpose(1, 2).contiguous().view(B, T, C)         # (B, nh, T, hs) -> (B, T, C)
         return self.proj(y)
 
@@ -73,8 +75,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), document_ids)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -109,12 +111,16 @@ class GPT2(nn.Module):
                 std = residual_std if name.endswith("proj.weight") else 0.02
                 nn.init.normal_(p, 0.0, std, generator=generator)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """(B, T) token ids -> (B, T, C) final hidden states (after ln_f)."""
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+        document_ids: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """(B, T) token ids -> (B, T, C) final hidden states (after ln_f). position_ids (T,) or (B, T)
+        and document_ids (B, T) serve packed rows: positions restart and attention stops at each document."""
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device)
         x = self.wte(input_ids) + self.wpe(position_ids)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, document_ids)
         return self.ln_f(x)
