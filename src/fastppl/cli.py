@@ -9,6 +9,15 @@ from typing import Optional, Sequence
 from .errors import FastpplError
 
 
+def _batch_size(value: str):
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {value!r}") from None
+
+
 def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="HF checkpoint directory, hub id, or random:gpt2[-medium|-large|-xl|-tiny]")
     p.add_argument("--data", required=True, action="append",
@@ -23,11 +32,13 @@ def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", type=int, help="tokens per window (default: the model's maximum)")
     p.add_argument("--stride", type=int, help="sliding: tokens between window starts (default ctx/2)")
     p.add_argument("--bos", action="store_true", help="sliding: prefix BOS so that the first token is scored")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=_batch_size, default=8, help="rows per batch, or auto (largest that fits)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     p.add_argument("--backend", default="auto", choices=["auto", "native", "hf"])
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--loss", default="auto", choices=["auto", "chunked", "fused"],
+                   help="per-token loss: chunked projection, or the fused Triton kernel (CUDA); auto = fused on CUDA")
     p.add_argument("--loss-chunk-rows", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0, help="seed of random:<preset> weights")
     p.add_argument("--json", help="write the full report here")
@@ -41,7 +52,7 @@ def _config_from_args(args: argparse.Namespace):
         model=args.model, data=args.data, tokenizer=args.tokenizer, split=args.split,
         text_field=args.text_field, data_dir=args.data_dir, errors=args.errors, window=args.window,
         ctx=args.ctx, stride=args.stride, bos=args.bos, batch_size=args.batch_size, device=args.device,
-        dtype=args.dtype, backend=args.backend, compile=args.compile, loss_chunk_rows=args.loss_chunk_rows,
+        dtype=args.dtype, backend=args.backend, compile=args.compile, loss=args.loss, loss_chunk_rows=args.loss_chunk_rows,
         seed=args.seed, per_token=args.per_token, quiet=args.quiet,
     )
 
@@ -63,12 +74,41 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_bench(args: argparse.Namespace) -> int:
+    import sys as _sys
+    from .bench import format_table, run_bench as bench
+    from .report import check_writable, write_json
+    if args.json:
+        check_writable(args.json, "--json")
+    log = (lambda line: None) if args.quiet else (lambda line: print(line, file=_sys.stderr, flush=True))
+    peers = args.peers.split(",") if args.peers else None
+    report = bench(args.model, args.tokens, args.seq, args.batch_size, args.device, peers, args.loss,
+                   args.naive_tokens, log, args.variants)
+    if args.json:
+        write_json(args.json, report)
+    print(format_table(report))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastppl", description="Exact perplexity of causal language models, fast.")
     sub = parser.add_subparsers(dest="command", required=True)
     eval_parser = sub.add_parser("eval", help="NLL, perplexity and bits per byte of a model over a corpus")
     _add_eval_arguments(eval_parser)
     eval_parser.set_defaults(run=run_eval)
+    bench_parser = sub.add_parser("bench", help="fastppl against its peers on the same weights and tokens")
+    bench_parser.add_argument("--model", default="random:gpt2", help="random:gpt2[-medium|-large|-xl|-tiny]")
+    bench_parser.add_argument("--tokens", type=int, default=1_048_576, help="tokens through each peer")
+    bench_parser.add_argument("--naive-tokens", type=int, help="tokens through the (slow) naive loop")
+    bench_parser.add_argument("--seq", type=int, default=1024)
+    bench_parser.add_argument("--batch-size", type=int, default=64)
+    bench_parser.add_argument("--device", default="auto")
+    bench_parser.add_argument("--loss", default="auto", choices=["auto", "chunked", "fused"])
+    bench_parser.add_argument("--variants", action="store_true", help="also time the other loss and compile choices")
+    bench_parser.add_argument("--peers", help="comma-separated subset of naive,autocast,hf-bf16,hf-compiled,fastppl")
+    bench_parser.add_argument("--json", help="write the report here")
+    bench_parser.add_argument("--quiet", action="store_true")
+    bench_parser.set_defaults(run=run_bench)
     return parser
 
 

@@ -35,12 +35,13 @@ class EvalConfig:
     ctx: Optional[int] = None           # tokens per window; None = the model's maximum
     stride: Optional[int] = None        # sliding only; None = ctx // 2
     bos: bool = False                   # sliding only: prefix BOS so that the first token is scored
-    batch_size: int = 8
+    batch_size: int | str = 8           # rows per batch, or "auto" (largest that fits, CUDA)
     device: str = "auto"                # auto | cpu | cuda | cuda:N
     dtype: str = "auto"                 # auto = bf16 on CUDA, fp32 on CPU
     backend: str = "auto"               # auto = native when the architecture has one, else hf
     compile: str = "auto"               # auto | on | off
-    loss_chunk_rows: int = 8192         # rows of the output projection computed at once
+    loss: str = "auto"                  # auto | chunked | fused (Triton, CUDA)
+    loss_chunk_rows: int = 8192         # chunked: rows of the output projection computed at once
     seed: int = 0                       # seeds random:<preset> weights
     per_token: Optional[str] = None     # .npy of per-token NLL
     quiet: bool = False
@@ -58,7 +59,7 @@ class EvalConfig:
             raise FastpplError(f"unknown --errors {self.errors!r}; use strict or replace")
         if self.compile not in ("auto", "on", "off"):
             raise FastpplError(f"unknown --compile {self.compile!r}; use auto, on or off")
-        if self.batch_size < 1:
+        if self.batch_size != "auto" and (not isinstance(self.batch_size, int) or self.batch_size < 1):
             raise FastpplError(f"--batch-size must be at least 1, got {self.batch_size}")
         if self.ctx is not None and self.ctx < 2:
             raise FastpplError(f"--ctx must be at least 2, got {self.ctx}")
@@ -66,6 +67,8 @@ class EvalConfig:
             raise FastpplError("--stride applies to --window sliding only")
         if self.bos and self.window != "sliding":
             raise FastpplError("--bos applies to --window sliding only (chunked windows always start with BOS)")
+        if self.loss not in ("auto", "chunked", "fused"):
+            raise FastpplError(f"unknown --loss {self.loss!r}; use auto, chunked or fused")
         if self.loss_chunk_rows < 1:
             raise FastpplError("--loss-chunk-rows must be at least 1")
 

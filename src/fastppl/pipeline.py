@@ -10,14 +10,16 @@ import numpy as np
 import torch
 
 from . import __version__
+from .accel.batch_size import auto_batch_size
 from .accel.compile import compile_score_fn, use_compile
 from .config import EvalConfig
-from .data.batching import WindowRef, iter_batches
+from .data.batching import WindowRef, make_batch
 from .data.corpus import Document, load_documents
 from .data.tokenize import Tokenizer, encode_cached, load_tokenizer
 from .data.windows import chunked_windows, sliding_windows
 from .engine.precision import resolve_device, resolve_dtype
-from .engine.score import DeviceSums, make_score_fn, score_batches
+from .engine.fused_loss import fused_loss_available
+from .engine.score import DeviceSums, make_score_fn, score_batches, score_with_backoff
 from .errors import FastpplError
 from .models import load_model
 from .progress import Progress
@@ -112,22 +114,33 @@ def evaluate(config: EvalConfig) -> dict:
         raise FastpplError("no token can be scored (every document is a single token); add text or use --bos")
 
     model = model.to(device)
-    score_fn = make_score_fn(model, config.loss_chunk_rows)
-    compiled, compile_reason = use_compile(config.compile, device, n_scored)
+    loss = config.loss
+    if loss == "auto":
+        loss = "fused" if fused_loss_available(device) else "chunked"
+    elif loss == "fused" and not fused_loss_available(device):
+        raise FastpplError("--loss fused needs a CUDA device and Triton; use --loss chunked")
+    score_fn = make_score_fn(model, config.loss_chunk_rows, loss)
+    compiled, compile_reason = use_compile(config.compile, device, n_scored, loss)
     if compiled:
         score_fn = compile_score_fn(score_fn)
     # longest first: the first (compiled) shape is the largest, and a memory error shows at once
     refs.sort(key=lambda r: -r.window.length)
-    batch_size = min(config.batch_size, len(refs))
+    stream_ids, target_offsets = [s.ids for s in streams], [s.offset_of_target for s in streams]
+    batch_of = lambda begin, size: make_batch(refs[begin:begin + size], stream_ids, target_offsets, size, ctx)  # noqa: E731
+    if config.batch_size == "auto":
+        probe_sums = DeviceSums.zeros(ctx, device)
+        batch_size = auto_batch_size(
+            lambda rows: score_batches(score_fn, [batch_of(0, rows)], probe_sums, device), len(refs), device)
+    else:
+        batch_size = min(config.batch_size, len(refs))
 
     sums = DeviceSums.zeros(ctx, device, n_tokens if config.per_token else None)
     progress = Progress(n_scored, enabled=not config.quiet)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     scoring_started = time.perf_counter()
-    score_batches(
-        score_fn, iter_batches(refs, [s.ids for s in streams], [s.offset_of_target for s in streams], batch_size, ctx),
-        sums, device, on_batch=lambda b: progress.advance(b.n_scored),
+    batch_size = score_with_backoff(
+        score_fn, batch_of, len(refs), batch_size, sums, device, on_batch=lambda b: progress.advance(b.n_scored),
     )
     nll_sum = float(sums.nll_sum.item())   # the run's one host sync
     scoring_seconds = time.perf_counter() - scoring_started
@@ -156,6 +169,8 @@ def evaluate(config: EvalConfig) -> dict:
         "window": config.window,
         "dtype": str(dtype).replace("torch.", ""),
         "compile": compile_reason,
+        "loss": loss,
+        "batch_size": batch_size,
         "wall_seconds": wall,
         "scoring_seconds": scoring_seconds,
         "tokens_per_second": n_scored / scoring_seconds if scoring_seconds > 0 else float("nan"),

@@ -24,3 +24,12 @@ def chunked_token_nll(
     # concatenated, not written into a preallocated buffer: slice assignment inside a compiled
     # loop hit an illegal memory access in Inductor on torch 2.11 (docs/h200-findings)
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def token_nll_fn(kind: str, chunk_rows: int = 8192):
+    """The per-token NLL function for --loss chunked|fused: (hidden, weight, targets, bias) -> (N,) fp32."""
+    if kind == "fused":
+        from .fused_loss import fused_token_nll_op
+        return fused_token_nll_op
+    assert kind == "chunked", kind
+    return lambda hidden, weight, targets, bias=None: chunked_token_nll(hidden, weight, targets, bias, chunk_rows)

@@ -11,20 +11,22 @@ import torch
 import torch.nn as nn
 
 from ..data.batching import Batch
-from .loss import chunked_token_nll
+from .loss import chunked_token_nll, token_nll_fn
 
 ScoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def make_score_fn(model: nn.Module, chunk_rows: int = 8192) -> ScoreFn:
-    """(input_ids, targets, score_mask), each (B, T) -> (B, T) fp32 NLL, 0 where not scored."""
+def make_score_fn(model: nn.Module, chunk_rows: int = 8192, loss: str = "chunked") -> ScoreFn:
+    """(input_ids, targets, score_mask), each (B, T) -> (B, T) fp32 NLL, 0 where not scored.
+    loss: "chunked" (any device) or "fused" (the Triton kernel, CUDA)."""
     weight = model.lm_head.weight
     bias = getattr(model.lm_head, "bias", None)
+    token_nll = token_nll_fn(loss, chunk_rows)
 
     def score(input_ids: torch.Tensor, targets: torch.Tensor, score_mask: torch.Tensor) -> torch.Tensor:
         B, T = input_ids.shape
         hidden = model(input_ids)                                        # (B, T, C)
-        nll = chunked_token_nll(hidden.reshape(B * T, -1), weight, targets.reshape(B * T), bias, chunk_rows)
+        nll = token_nll(hidden.reshape(B * T, -1), weight, targets.reshape(B * T), bias)
         return torch.where(score_mask, nll.view(B, T), 0.0)
 
     return score
@@ -75,3 +77,35 @@ def score_batches(
         if on_batch is not None:
             on_batch(batch)
     return sums
+
+
+def _is_out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def score_with_backoff(
+    score_fn: ScoreFn, make_batch: Callable[[int, int], Batch], n_windows: int, batch_size: int,
+    sums: DeviceSums, device: torch.device, on_batch: Optional[Callable[[Batch], None]] = None,
+    on_backoff: Optional[Callable[[int], None]] = None,
+) -> int:
+    """Score windows [0, n_windows) in batches of batch_size; on out-of-memory halve the batch size and
+    score the same windows again. The sums are only touched after a batch's scores exist, so a failed
+    batch adds nothing: no window is lost or counted twice. Returns the batch size that was used last.
+    make_batch(begin, size) builds the batch of windows begin .. begin+size-1 (padded to size rows)."""
+    begin = 0
+    while begin < n_windows:
+        batch = make_batch(begin, batch_size)
+        try:
+            score_batches(score_fn, [batch], sums, device, on_batch)
+        except RuntimeError as error:
+            if not _is_out_of_memory(error) or batch_size == 1:
+                raise
+            del error
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            batch_size //= 2
+            if on_backoff is not None:
+                on_backoff(batch_size)
+            continue
+        begin += batch.n_windows
+    return batch_size

@@ -1,0 +1,247 @@
+"""fastppl bench: fastppl against its peers on the same weights and tokens, in one process.
+
+Peers (all Hugging Face transformers, the same random weights):
+  naive       GPT2LMHeadModel fp32, batch 1, loss via labels=, .item() after every step
+  autocast    fp32 weights under bf16 autocast, batch 16, labels=
+  hf-bf16     bf16 weights, SDPA attention, batch B, labels=
+  hf-compiled the same under torch.compile
+  fastppl     fastppl's scorer (bf16 weights, fp32 loss, fused or chunked loss, compiled on CUDA)
+and a bf16 matmul ceiling. FLOPs are counted per scored token as forward matmul FLOPs:
+  2 * (12 * L * d^2 + d * V) + 2 * L * d * (T + 1)    (the last term: causal QK^T and AV, T/2 keys each)"""
+from __future__ import annotations
+
+import gc
+import json
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .data.batching import Batch
+from .engine.precision import resolve_device
+from .errors import FastpplError
+
+
+@dataclass
+class BenchRow:
+    name: str
+    tokens: int
+    seconds: float
+    nll: float
+    peak_bytes: Optional[int]
+    note: str = ""
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+def flops_per_token(n_layer: int, d: int, vocab: int, seq_len: int) -> float:
+    return 2 * (12 * n_layer * d * d + d * vocab) + 2 * n_layer * d * (seq_len + 1)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_peak(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device: torch.device) -> Optional[int]:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def matmul_ceiling(device: torch.device) -> float:
+    """bf16 FLOP/s of a large square matmul (CUDA) or fp32 on the CPU; median of timed repeats."""
+    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    times = []
+    for i in range(13):
+        _sync(device)
+        t = time.perf_counter()
+        a @ b
+        _sync(device)
+        if i >= 3:
+            times.append(time.perf_counter() - t)
+    return 2 * n ** 3 / float(np.median(times))
+
+
+def _hf_peer(native, dtype: torch.dtype, device: torch.device):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from .models.hf_convert import gpt2_config_to_hf, gpt2_state_dict_to_hf
+    hf = GPT2LMHeadModel(GPT2Config(**gpt2_config_to_hf(native.config), attn_implementation="sdpa"))
+    hf.load_state_dict(gpt2_state_dict_to_hf(native.float()), strict=False)
+    return hf.to(device=device, dtype=dtype).eval()
+
+
+def _time_labels_peer(model, rows: np.ndarray, batch_size: int, device, autocast: bool,
+                      item_per_step: bool, warmup_batches: int = 1) -> tuple[float, float, int]:
+    """HF loss via labels= (mean over T-1 shifted targets per row): returns (seconds, nll, tokens)."""
+    T = rows.shape[1] - 1
+    data = torch.from_numpy(rows[:, :T])
+    n_rows = (len(data) // batch_size) * batch_size
+    context = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if autocast else torch.no_grad
+
+    def step(batch):
+        with torch.inference_mode(), context():
+            return model(input_ids=batch, labels=batch).loss
+
+    for i in range(warmup_batches):
+        step(data[:batch_size].to(device)).item()
+    _sync(device)
+    started = time.perf_counter()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    host_total = 0.0
+    for begin in range(0, n_rows, batch_size):
+        loss = step(data[begin:begin + batch_size].to(device, non_blocking=True))
+        if item_per_step:
+            host_total += loss.item()            # the naive loop's per-step sync
+        else:
+            total += loss.double()
+    _sync(device)
+    seconds = time.perf_counter() - started
+    n_batches = n_rows // batch_size
+    nll = (host_total if item_per_step else total.item()) / n_batches
+    return seconds, nll, n_rows * (T - 1)
+
+
+def _time_fastppl(model, rows: np.ndarray, batch_size: int, device, loss: str, compile_on: bool,
+                  chunk_rows: int = 8192) -> tuple[float, float, int, float]:
+    from .accel.compile import compile_score_fn
+    from .engine.score import DeviceSums, make_score_fn, score_batches
+    T = rows.shape[1] - 1
+    score_fn = make_score_fn(model, chunk_rows, loss)
+    if compile_on:
+        score_fn = compile_score_fn(score_fn)
+    n_rows = (len(rows) // batch_size) * batch_size
+    ones = np.ones((batch_size, T), dtype=bool)
+    index = np.full((batch_size, T), -1, dtype=np.int64)
+    batches = [Batch(np.ascontiguousarray(rows[b:b + batch_size, :T]), np.ascontiguousarray(rows[b:b + batch_size, 1:]),
+                     ones, index, batch_size * T, batch_size) for b in range(0, n_rows, batch_size)]
+    compile_started = time.perf_counter()
+    score_batches(score_fn, batches[:1], DeviceSums.zeros(T, device), device)   # warm-up / compile
+    _sync(device)
+    compile_seconds = time.perf_counter() - compile_started
+    sums = DeviceSums.zeros(T, device)
+    started = time.perf_counter()
+    score_batches(score_fn, batches, sums, device)
+    nll_sum = sums.nll_sum.item()
+    seconds = time.perf_counter() - started
+    return seconds, nll_sum / (n_rows * T), n_rows * T, compile_seconds
+
+
+def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_len: int = 1024,
+              batch_size: int = 64, device_name: str = "auto", peers: Optional[list[str]] = None,
+              loss: str = "auto", naive_tokens: Optional[int] = None, log: Callable[[str], None] = print,
+              variants: bool = False) -> dict:
+    """variants: also time fastppl with the other loss and compile choices (for docs/BENCHMARKS.md)."""
+    from .engine.fused_loss import fused_loss_available
+    from .models.loading import RANDOM_PREFIX, random_gpt2
+    device = resolve_device(device_name)
+    if not model_spec.startswith(RANDOM_PREFIX + "gpt2"):
+        raise FastpplError(f"bench takes a random:gpt2* preset, got {model_spec!r}")
+    native = random_gpt2(model_spec[len(RANDOM_PREFIX):])
+    cfg = native.config
+    if seq_len > cfg.n_positions:
+        raise FastpplError(f"--seq {seq_len} exceeds the model's {cfg.n_positions} positions")
+    peers = peers or ["naive", "autocast", "hf-bf16", "hf-compiled", "fastppl"]
+    if loss == "auto":
+        loss = "fused" if fused_loss_available(device) else "chunked"
+    on_cuda = device.type == "cuda"
+    n_rows = max(batch_size, n_tokens // seq_len // batch_size * batch_size)
+    rows = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(n_rows, seq_len + 1), dtype=np.int64)
+    naive_rows = rows[: max(1, (naive_tokens or n_tokens) // seq_len)]
+    results: list[BenchRow] = []
+
+    ceiling = matmul_ceiling(device)
+    log(f"matmul ceiling: {ceiling / 1e12:.1f} TFLOP/s ({'bf16 8192^3' if on_cuda else 'fp32 512^3'})")
+
+    def record(row: BenchRow) -> None:
+        results.append(row)
+        log(f"{row.name:<14} {row.tokens_per_second:>12,.0f} tok/s  nll {row.nll:.4f}  {row.note}")
+
+    if any(p in peers for p in ("naive", "autocast")):
+        hf32 = _hf_peer(native, torch.float32, device)
+        if "naive" in peers:
+            _reset_peak(device)
+            s, nll, tok = _time_labels_peer(hf32, naive_rows, 1, device, autocast=False, item_per_step=True)
+            record(BenchRow("naive", tok, s, nll, _peak(device), "fp32, batch 1, .item() per step"))
+        if "autocast" in peers:
+            _reset_peak(device)
+            s, nll, tok = _time_labels_peer(hf32, rows, min(16, n_rows), device, autocast=True, item_per_step=False)
+            record(BenchRow("autocast", tok, s, nll, _peak(device), "fp32 weights, bf16 autocast, batch 16"))
+        del hf32
+    if any(p in peers for p in ("hf-bf16", "hf-compiled")):
+        hf16 = _hf_peer(native, torch.bfloat16 if on_cuda else torch.float32, device)
+        if "hf-bf16" in peers:
+            _reset_peak(device)
+            s, nll, tok = _time_labels_peer(hf16, rows, batch_size, device, autocast=False, item_per_step=False)
+            record(BenchRow("hf-bf16", tok, s, nll, _peak(device), f"bf16 SDPA, batch {batch_size}, labels="))
+        if "hf-compiled" in peers:
+            _reset_peak(device)
+            compiled = torch.compile(hf16)
+            t = time.perf_counter()
+            s, nll, tok = _time_labels_peer(compiled, rows, batch_size, device, autocast=False, item_per_step=False)
+            record(BenchRow("hf-compiled", tok, s, nll, _peak(device), f"the same, torch.compile"))
+            del compiled
+        del hf16
+    if "fastppl" in peers:
+        model = native.to(device=device, dtype=torch.bfloat16 if on_cuda else torch.float32)
+        _reset_peak(device)
+        s, nll, tok, compile_s = _time_fastppl(model, rows, batch_size, device, loss, on_cuda)
+        record(BenchRow("fastppl", tok, s, nll, _peak(device),
+                        f"{loss} loss, {'compiled' if on_cuda else 'eager'}, batch {batch_size}, warm-up {compile_s:.1f} s"))
+        if variants:
+            # each variant gets a fresh copy of the weights: a compiled function is cached per model,
+            # and a variant must not silently reuse another's compiled graph
+            options = [(l, c) for l in ("chunked", "fused") for c in ((True, False) if on_cuda else (False,))]
+            for variant_loss, variant_compile in options:
+                if (variant_loss, variant_compile) == (loss, on_cuda):
+                    continue
+                if variant_loss == "fused" and not fused_loss_available(device):
+                    continue
+                _reset_peak(device)
+                torch._dynamo.reset()
+                s, nll, tok, compile_s = _time_fastppl(model, rows, batch_size, device, variant_loss, variant_compile)
+                record(BenchRow("variant", tok, s, nll, _peak(device),
+                                f"{variant_loss} loss, {'compiled' if variant_compile else 'eager'}, "
+                                f"warm-up {compile_s:.1f} s"))
+
+    flops = flops_per_token(cfg.n_layer, cfg.n_embd, cfg.vocab_size, seq_len)
+    fast = next((r for r in results if r.name == "fastppl"), None)
+    # a variant better than the default is reported, not silently used: the default is what eval runs
+    table = []
+    for r in results:
+        table.append({
+            "name": r.name, "tokens": r.tokens, "seconds": r.seconds, "tokens_per_second": r.tokens_per_second,
+            "share_of_ceiling": r.tokens_per_second * flops / ceiling, "nll": r.nll, "peak_memory_bytes": r.peak_bytes,
+            "fastppl_speedup": (fast.tokens_per_second / r.tokens_per_second) if fast else None, "note": r.note,
+        })
+    return {
+        "model": model_spec, "seq_len": seq_len, "batch_size": batch_size, "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if on_cuda else "cpu", "torch": torch.__version__,
+        "matmul_ceiling_flops": ceiling, "flops_per_token": flops, "rows": table,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def format_table(report: dict) -> str:
+    lines = [f"fastppl bench  {report['model']}  seq {report['seq_len']}  batch {report['batch_size']}  "
+             f"{report['device_name']}  torch {report['torch']}  ceiling {report['matmul_ceiling_flops'] / 1e12:.3g} TFLOP/s",
+             f"{'what':<14}{'tokens/s':>14}{'% ceiling':>11}{'peak GiB':>10}{'fastppl x':>11}  note"]
+    for r in report["rows"]:
+        peak = "n/a" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**30:.2f}"
+        speedup = "" if r["fastppl_speedup"] is None else f"{r['fastppl_speedup']:.2f}"
+        lines.append(f"{r['name']:<14}{r['tokens_per_second']:>14,.0f}{100 * r['share_of_ceiling']:>10.1f}%"
+                     f"{peak:>10}{speedup:>11}  {r['note']}")
+    return "\n".join(lines)

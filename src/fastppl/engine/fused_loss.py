@@ -1,0 +1,115 @@
+"""Fused output projection + cross-entropy for CUDA (Triton): per-token fp32 NLL without ever
+writing a logit to memory. Each program owns BLOCK_M rows of hidden states and walks the vocabulary
+in BLOCK_N tiles: a tile of logits is a (BLOCK_M, BLOCK_N) fp32 matmul result held on chip, folded
+into a running max / sum-of-exponentials (online logsumexp) and a running target logit.
+
+    nll[r] = logsumexp_v(h[r] . W[v] + b[v]) - (h[r] . W[target[r]] + b[target[r]])
+
+The logits stay fp32 (never rounded to bf16), so this is slightly more exact than the chunked loss,
+which rounds each logit to the model dtype before upcasting. Reference: engine/loss.py."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+
+def fused_loss_available(device: torch.device) -> bool:
+    return triton is not None and device.type == "cuda"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _fused_nll_kernel(
+        hidden_ptr, weight_ptr, bias_ptr, target_ptr, out_ptr,
+        N, V, C,
+        stride_hn, stride_wv,
+        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < N
+        targets = tl.load(target_ptr + rows, mask=row_ok, other=0)
+        running_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        running_sum = tl.zeros((BLOCK_M,), tl.float32)
+        target_logit = tl.zeros((BLOCK_M,), tl.float32)
+        ks = tl.arange(0, BLOCK_K)
+        for v_start in range(0, V, BLOCK_N):
+            cols = v_start + tl.arange(0, BLOCK_N)
+            col_ok = cols < V
+            logits = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for k_start in range(0, C, BLOCK_K):
+                k = k_start + ks
+                h = tl.load(hidden_ptr + rows[:, None] * stride_hn + k[None, :],
+                            mask=row_ok[:, None] & (k[None, :] < C), other=0.0)          # (M, K)
+                w = tl.load(weight_ptr + cols[None, :] * stride_wv + k[:, None],
+                            mask=col_ok[None, :] & (k[:, None] < C), other=0.0)          # (K, N)
+                logits = tl.dot(h, w, logits, input_precision=INPUT_PRECISION)
+            if HAS_BIAS:
+                logits += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            logits = tl.where(col_ok[None, :], logits, float("-inf"))
+            tile_max = tl.max(logits, axis=1)
+            new_max = tl.maximum(running_max, tile_max)
+            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(
+                tl.exp(logits - new_max[:, None]), axis=1)
+            running_max = new_max
+            is_target = cols[None, :] == targets[:, None]
+            target_logit += tl.sum(tl.where(is_target, logits, 0.0), axis=1)
+        nll = running_max + tl.log(running_sum) - target_logit
+        tl.store(out_ptr + rows, nll, mask=row_ok)
+
+
+def fused_token_nll(
+    hidden: torch.Tensor,            # (N, C) bf16/fp16/fp32, CUDA
+    weight: torch.Tensor,            # (V, C) same dtype
+    targets: torch.Tensor,           # (N,) int64
+    bias: Optional[torch.Tensor] = None,
+    block_m: int = 128, block_n: Optional[int] = None, block_k: Optional[int] = None, num_warps: int = 8,
+    num_stages: int = 3,
+) -> torch.Tensor:
+    """(N,) fp32 NLL of each target, as engine.loss.chunked_token_nll, in one kernel. Tiles of
+    128 x 256 x 64 for 16-bit inputs (measured best, docs/BENCHMARKS.md); fp32 inputs take half-size
+    tiles to fit shared memory, and exact fp32 products (no tf32)."""
+    assert triton is not None and hidden.is_cuda
+    wide = hidden.element_size() == 4
+    block_n = block_n or (128 if wide else 256)
+    block_k = block_k or (32 if wide else 64)
+    hidden = hidden.contiguous()
+    weight = weight.contiguous()
+    N, C = hidden.shape
+    V = weight.shape[0]
+    out = torch.empty(N, dtype=torch.float32, device=hidden.device)
+    grid = (triton.cdiv(N, block_m),)
+    _fused_nll_kernel[grid](
+        hidden, weight, bias if bias is not None else hidden, targets.contiguous(), out,
+        N, V, C, hidden.stride(0), weight.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        INPUT_PRECISION="ieee" if wide else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+# A custom op, so that torch.compile treats the kernel as one opaque call inside a compiled scorer.
+@torch.library.custom_op("fastppl::fused_token_nll", mutates_args=())
+def _fused_token_nll_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return fused_token_nll(hidden, weight, targets)
+
+
+@_fused_token_nll_op.register_fake
+def _(hidden, weight, targets):
+    return hidden.new_empty(hidden.shape[0], dtype=torch.float32)
+
+
+def fused_token_nll_op(hidden, weight, targets, bias=None):
+    if bias is not None:   # rare (no GPT-2/Llama head has one): the eager kernel handles it
+        return fused_token_nll(hidden, weight, targets, bias)
+    return _fused_token_nll_op(hidden, weight, targets)
