@@ -60,11 +60,13 @@ flops = 2 * N * C * V
 chunked_compiled = torch.compile(lambda h, w, t: chunked_token_nll(h, w, t, None, 8192))
 for name, fn in [("chunked eager", lambda: chunked_token_nll(h, w, t, None, 8192)),
                  ("chunked compiled", lambda: chunked_compiled(h, w, t)),
-                 ("fused 128x256x64 w8 s3", lambda: fused_token_nll(h, w, t)),
-                 ("fused 128x256x64 w8 s4", lambda: fused_token_nll(h, w, t, num_stages=4)),
+                 ("fused 128x256x64 w8 s3 (default)", lambda: fused_token_nll(h, w, t)),
+                 ("fused 128x256x64 w8 s2", lambda: fused_token_nll(h, w, t, num_stages=2)),
                  ("fused 128x128x64 w8 s4", lambda: fused_token_nll(h, w, t, block_n=128, num_stages=4)),
+                 ("fused 128x128x64 w4 s4", lambda: fused_token_nll(h, w, t, block_n=128, num_warps=4, num_stages=4)),
                  ("fused 256x128x64 w8 s3", lambda: fused_token_nll(h, w, t, block_m=256, block_n=128)),
-                 ("fused 128x256x32 w8 s4", lambda: fused_token_nll(h, w, t, block_k=32, num_stages=4))]:
+                 ("fused 128x256x32 w8 s4", lambda: fused_token_nll(h, w, t, block_k=32, num_stages=4)),
+                 ("fused 64x256x64 w4 s3", lambda: fused_token_nll(h, w, t, block_m=64, num_warps=4))]:
     try:
         ms = timeit(fn)
         rows.append((name, f"{ms:.2f} ms  {flops / ms / 1e9:.0f} TFLOP/s"))

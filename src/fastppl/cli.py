@@ -32,7 +32,8 @@ def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", type=int, help="tokens per window (default: the model's maximum)")
     p.add_argument("--stride", type=int, help="sliding: tokens between window starts (default ctx/2)")
     p.add_argument("--bos", action="store_true", help="sliding: prefix BOS so that the first token is scored")
-    p.add_argument("--batch-size", type=_batch_size, default=8, help="rows per batch, or auto (largest that fits)")
+    p.add_argument("--batch-size", type=_batch_size, default="auto",
+                   help="rows per batch, or auto: the largest that fits on a GPU with headroom, 8 on the CPU")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     p.add_argument("--backend", default="auto", choices=["auto", "native", "hf"])

@@ -35,7 +35,7 @@ class EvalConfig:
     ctx: Optional[int] = None           # tokens per window; None = the model's maximum
     stride: Optional[int] = None        # sliding only; None = ctx // 2
     bos: bool = False                   # sliding only: prefix BOS so that the first token is scored
-    batch_size: int | str = 8           # rows per batch, or "auto" (largest that fits, CUDA)
+    batch_size: int | str = "auto"      # rows per batch; auto = largest that fits (CUDA), 8 on the CPU
     device: str = "auto"                # auto | cpu | cuda | cuda:N
     dtype: str = "auto"                 # auto = bf16 on CUDA, fp32 on CPU
     backend: str = "auto"               # auto = native when the architecture has one, else hf

@@ -75,12 +75,17 @@ def _environment(device: torch.device) -> dict:
 
 def evaluate(config: EvalConfig) -> dict:
     started = time.perf_counter()
+    timings: dict[str, float] = {}   # seconds by stage, so that start-up costs are visible
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
 
     documents = [d for source in config.data for d in load_documents(
         source, config.split, config.text_field, config.data_dir, config.errors)]
-    model = load_model(config.model, config.backend, dtype, config.seed)
+    timings["read_corpus"] = time.perf_counter() - started
+    mark = time.perf_counter()
+    model = load_model(config.model, config.backend, dtype, config.seed, device)
+    timings["load_model"] = time.perf_counter() - mark
+    mark = time.perf_counter()
     tokenizer = load_tokenizer(config.tokenizer or default_tokenizer_name(config.model))
     if tokenizer.vocab_size > model.vocab_size:
         raise FastpplError(
@@ -94,7 +99,10 @@ def evaluate(config: EvalConfig) -> dict:
     if config.window == "sliding" and stride is not None and not 1 <= stride <= ctx:
         raise FastpplError(f"--stride must be between 1 and --ctx ({ctx}), got {stride}")
 
+    timings["load_tokenizer"] = time.perf_counter() - mark
+    mark = time.perf_counter()
     tokens = [encode_cached(tokenizer, d.text) for d in documents]
+    timings["tokenize"] = time.perf_counter() - mark
     n_tokens = sum(len(t) for t in tokens)
     if n_tokens < 2:
         raise FastpplError(f"the corpus has {n_tokens} token(s); at least 2 are needed to score anything")
@@ -113,6 +121,7 @@ def evaluate(config: EvalConfig) -> dict:
     if n_scored == 0:
         raise FastpplError("no token can be scored (every document is a single token); add text or use --bos")
 
+    mark = time.perf_counter()
     model = model.to(device)
     loss = config.loss
     if loss == "auto":
@@ -127,6 +136,8 @@ def evaluate(config: EvalConfig) -> dict:
     refs.sort(key=lambda r: -r.window.length)
     stream_ids, target_offsets = [s.ids for s in streams], [s.offset_of_target for s in streams]
     batch_of = lambda begin, size: make_batch(refs[begin:begin + size], stream_ids, target_offsets, size, ctx)  # noqa: E731
+    timings["prepare"] = time.perf_counter() - mark
+    mark = time.perf_counter()
     if config.batch_size == "auto":
         probe_sums = DeviceSums.zeros(ctx, device)
         batch_size = auto_batch_size(
@@ -136,6 +147,7 @@ def evaluate(config: EvalConfig) -> dict:
 
     sums = DeviceSums.zeros(ctx, device, n_tokens if config.per_token else None)
     progress = Progress(n_scored, enabled=not config.quiet)
+    timings["choose_batch_size"] = time.perf_counter() - mark
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     scoring_started = time.perf_counter()
@@ -144,6 +156,7 @@ def evaluate(config: EvalConfig) -> dict:
     )
     nll_sum = float(sums.nll_sum.item())   # the run's one host sync
     scoring_seconds = time.perf_counter() - scoring_started
+    timings["scoring"] = scoring_seconds
     progress.close()
     if not math.isfinite(nll_sum):
         raise FastpplError("the model produced a non-finite loss; try --dtype fp32")
@@ -173,6 +186,7 @@ def evaluate(config: EvalConfig) -> dict:
         "batch_size": batch_size,
         "wall_seconds": wall,
         "scoring_seconds": scoring_seconds,
+        "stage_seconds": timings,
         "tokens_per_second": n_scored / scoring_seconds if scoring_seconds > 0 else float("nan"),
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "nll_by_position": [None if math.isnan(x) else float(x) for x in by_position],
