@@ -1,0 +1,83 @@
+"""CPU checks of the GPU fast path's machinery: out-of-memory back-off, compile on/off, bench."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fastppl.cli import main
+from fastppl.config import EvalConfig
+from fastppl.data.batching import WindowRef, make_batch
+from fastppl.data.windows import chunked_windows
+from fastppl.engine.score import DeviceSums, make_score_fn, score_with_backoff
+from fastppl.models.loading import random_gpt2
+from fastppl.pipeline import evaluate
+
+
+def _setup(n_tokens=700, ctx=32):
+    model = random_gpt2("gpt2-tiny").eval()
+    ids = np.random.default_rng(1).integers(0, 50257, n_tokens + 1)
+    refs = [WindowRef(0, w) for w in chunked_windows(n_tokens, ctx)]
+    batch_of = lambda begin, size: make_batch(refs[begin:begin + size], [ids], [0], size, ctx)  # noqa: E731
+    return model, refs, batch_of, ctx
+
+
+def _score(score_fn, refs, batch_of, ctx, batch_size, n_tokens=700):
+    sums = DeviceSums.zeros(ctx, torch.device("cpu"), n_tokens)
+    used = score_with_backoff(score_fn, batch_of, len(refs), batch_size, sums, torch.device("cpu"))
+    return sums, used
+
+
+def test_out_of_memory_back_off_loses_and_double_counts_nothing():
+    model, refs, batch_of, ctx = _setup()
+    plain = make_score_fn(model)
+    calls = []
+
+    def flaky(input_ids, targets, mask):      # "out of memory" above 4 rows, and once more at 4 rows
+        calls.append(input_ids.shape[0])
+        if input_ids.shape[0] > 4 or (input_ids.shape[0] == 4 and calls.count(4) == 2):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return plain(input_ids, targets, mask)
+
+    reference, _ = _score(plain, refs, batch_of, ctx, batch_size=len(refs))
+    sums, used = _score(flaky, refs, batch_of, ctx, batch_size=16)
+    assert used == 2 and 16 in calls and 8 in calls
+    assert sums.nll_sum.item() == pytest.approx(reference.nll_sum.item(), rel=1e-6)
+    assert sums.position_count.sum().item() == 700           # every token counted once
+    assert not torch.isnan(sums.per_token[:-1]).any()
+
+
+def test_other_errors_are_not_swallowed():
+    model, refs, batch_of, ctx = _setup()
+
+    def broken(*args):
+        raise RuntimeError("shape mismatch")
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        _score(broken, refs, batch_of, ctx, batch_size=8)
+
+
+def test_compile_on_and_off_give_the_same_result(tmp_path, tokenizer_dir):
+    text = tmp_path / "t.txt"
+    text.write_text("Now is the winter of our discontent made glorious summer by this sun of York. " * 8)
+    base = dict(model="random:gpt2-tiny", data=[str(text)], tokenizer=str(tokenizer_dir), ctx=64,
+                device="cpu", batch_size=4, quiet=True)
+    off = evaluate(EvalConfig(**base, compile="off"))
+    on = evaluate(EvalConfig(**base, compile="on"))
+    assert on["compile"].startswith("on") and off["compile"].startswith("off")
+    assert on["nll_sum"] == pytest.approx(off["nll_sum"], rel=1e-5)
+
+
+def test_bench_cpu_path(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--model", "random:gpt2-tiny", "--tokens", "1024", "--seq", "32", "--batch-size", "4",
+               "--device", "cpu", "--json", str(out), "--quiet",
+               # hf-compiled is hf-bf16 under torch.compile: a minute of CPU compile for no extra coverage
+               "--peers", "naive,autocast,hf-bf16,fastppl"])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    names = [r["name"] for r in report["rows"]]
+    assert names == ["naive", "autocast", "hf-bf16", "fastppl"]
+    nlls = [r["nll"] for r in report["rows"]]
+    assert max(nlls) - min(nlls) < 0.05      # same weights, same tokens: the peers agree
+    assert all(r["tokens_per_second"] > 0 for r in report["rows"])
+    assert "fastppl" in capsys.readouterr().out
