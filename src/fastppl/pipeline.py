@@ -16,6 +16,7 @@ from .data.batching import WindowRef, iter_batches
 from .data.corpus import Document, load_documents
 from .data.tokenize import Tokenizer, encode_cached, load_tokenizer
 from .data.windows import chunked_windows, sliding_windows
+from .distributed import init_distributed, shard, stop_all_on_failure
 from .engine.precision import resolve_device, resolve_dtype
 from .engine.score import DeviceSums, make_score_fn, score_batches
 from .errors import FastpplError
@@ -71,9 +72,11 @@ def _environment(device: torch.device) -> dict:
     return env
 
 
+@stop_all_on_failure   # under torchrun: a failing rank makes every rank stop
 def evaluate(config: EvalConfig) -> dict:
     started = time.perf_counter()
-    device = resolve_device(config.device)
+    dist = init_distributed(config.device)   # None on one process
+    device = dist.device if dist else resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
 
     documents = [d for source in config.data for d in load_documents(
@@ -119,16 +122,25 @@ def evaluate(config: EvalConfig) -> dict:
     # longest first: the first (compiled) shape is the largest, and a memory error shows at once
     refs.sort(key=lambda r: -r.window.length)
     batch_size = min(config.batch_size, len(refs))
+    # each rank scores its share; batch_size stays that of the whole job, so that the shapes are the same
+    refs_here = shard(refs, dist.rank, dist.world_size) if dist else refs
 
     sums = DeviceSums.zeros(ctx, device, n_tokens if config.per_token else None)
-    progress = Progress(n_scored, enabled=not config.quiet)
+    progress = Progress(n_scored, enabled=not config.quiet and (dist is None or dist.is_main))
+    on_batch = lambda b: progress.advance(b.n_scored)  # noqa: E731
+    if dist:
+        on_batch = dist.batch_hook(progress, sum(r.window.n_scored for r in refs_here), n_scored)
+        dist.wait_for_peers("to the start of scoring")   # so that scoring_seconds times the whole job
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     scoring_started = time.perf_counter()
     score_batches(
-        score_fn, iter_batches(refs, [s.ids for s in streams], [s.offset_of_target for s in streams], batch_size, ctx),
-        sums, device, on_batch=lambda b: progress.advance(b.n_scored),
+        score_fn,
+        iter_batches(refs_here, [s.ids for s in streams], [s.offset_of_target for s in streams], batch_size, ctx),
+        sums, device, on_batch=on_batch,
     )
+    if dist:
+        dist.all_reduce_sums(sums, n_scored)
     nll_sum = float(sums.nll_sum.item())   # the run's one host sync
     scoring_seconds = time.perf_counter() - scoring_started
     progress.close()
@@ -164,6 +176,8 @@ def evaluate(config: EvalConfig) -> dict:
         "config": config.to_dict(),
         "environment": _environment(device),
     }
+    if dist:
+        result["world_size"] = dist.world_size
     if config.per_token:
         result["_per_token"] = sums.per_token[:-1].cpu().numpy()
     return result
