@@ -59,13 +59,25 @@ def _config_from_args(args: argparse.Namespace):
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    if args.nproc is not None and args.nproc != 1:
+        _config_from_args(args)   # a bad option fails here, once, not in every rank
+        return _relaunch(args)
+    from .distributed import init_distributed, is_main_process, stop_all_on_failure
     from .pipeline import evaluate
     from .report import check_writable, summary, write_json, write_npy
 
-    for flag, path in (("--json", args.json), ("--per-token", args.per_token)):
-        if path:
-            check_writable(path, flag)
-    result = evaluate(_config_from_args(args))
+    @stop_all_on_failure   # under torchrun, rank 0's output check stops the other ranks too
+    def check_outputs() -> None:
+        init_distributed(args.device)   # None on one process; evaluate() joins the same job
+        for flag, path in (("--json", args.json), ("--per-token", args.per_token)):
+            if path and is_main_process():
+                check_writable(path, flag)
+
+    config = _config_from_args(args)
+    check_outputs()
+    result = evaluate(config)
+    if not is_main_process():
+        return 0   # only rank 0 prints and writes
     per_token = result.pop("_per_token", None)
     if args.per_token:
         write_npy(args.per_token, per_token)
@@ -91,11 +103,20 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _relaunch(args: argparse.Namespace) -> int:
+    from .distributed import relaunch_under_torchrun
+    if args.nproc < 1:
+        raise FastpplError(f"--nproc must be at least 1, got {args.nproc}")
+    return relaunch_under_torchrun(args.nproc, args.argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastppl", description="Exact perplexity of causal language models, fast.")
     sub = parser.add_subparsers(dest="command", required=True)
     eval_parser = sub.add_parser("eval", help="NLL, perplexity and bits per byte of a model over a corpus")
     _add_eval_arguments(eval_parser)
+    eval_parser.add_argument("--nproc", type=int,
+                             help="processes (GPUs) on this machine: re-runs the command under torchrun")
     eval_parser.set_defaults(run=run_eval)
     bench_parser = sub.add_parser("bench", help="fastppl against its peers on the same weights and tokens")
     bench_parser.add_argument("--model", default="random:gpt2", help="random:gpt2[-medium|-large|-xl|-tiny]")
@@ -115,10 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)   # for --nproc, which re-runs the command
     try:
         return args.run(args)
     except FastpplError as e:
-        print(f"fastppl: error: {e}", file=sys.stderr)
+        if not getattr(e, "silent", False):   # a rank's copy of another rank's error: rank 0 prints it
+            print(f"fastppl: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("fastppl: interrupted", file=sys.stderr)

@@ -17,6 +17,7 @@ from .data.batching import WindowRef, make_batch
 from .data.corpus import Document, load_documents
 from .data.tokenize import Tokenizer, encode_cached, load_tokenizer
 from .data.windows import chunked_windows, sliding_windows
+from .distributed import init_distributed, shard, stop_all_on_failure
 from .engine.precision import resolve_device, resolve_dtype
 from .engine.fused_loss import fused_loss_available
 from .engine.score import DeviceSums, make_score_fn, score_batches, score_with_backoff
@@ -73,10 +74,12 @@ def _environment(device: torch.device) -> dict:
     return env
 
 
+@stop_all_on_failure   # under torchrun: a failing rank makes every rank stop
 def evaluate(config: EvalConfig) -> dict:
     started = time.perf_counter()
     timings: dict[str, float] = {}   # seconds by stage, so that start-up costs are visible
-    device = resolve_device(config.device)
+    dist = init_distributed(config.device)   # None on one process
+    device = dist.device if dist else resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
 
     documents = [d for source in config.data for d in load_documents(
@@ -134,26 +137,37 @@ def evaluate(config: EvalConfig) -> dict:
         score_fn = compile_score_fn(score_fn)
     # longest first: the first (compiled) shape is the largest, and a memory error shows at once
     refs.sort(key=lambda r: -r.window.length)
+    # each rank scores its share; batch_size stays that of the whole job, so that the shapes are the same
+    refs_here = shard(refs, dist.rank, dist.world_size) if dist else refs
     stream_ids, target_offsets = [s.ids for s in streams], [s.offset_of_target for s in streams]
-    batch_of = lambda begin, size: make_batch(refs[begin:begin + size], stream_ids, target_offsets, size, ctx)  # noqa: E731
+    batch_of = lambda begin, size: make_batch(  # noqa: E731
+        refs_here[begin:begin + size], stream_ids, target_offsets, size, ctx)
     timings["prepare"] = time.perf_counter() - mark
     mark = time.perf_counter()
     if config.batch_size == "auto":
         probe_sums = DeviceSums.zeros(ctx, device)
+        probe_refs = refs[:1]   # every rank probes with the same (longest) window
         batch_size = auto_batch_size(
-            lambda rows: score_batches(score_fn, [batch_of(0, rows)], probe_sums, device), len(refs), device)
+            lambda rows: score_batches(score_fn, [make_batch(probe_refs * rows, stream_ids, target_offsets, rows, ctx)],
+                                       probe_sums, device), len(refs), device)
     else:
         batch_size = min(config.batch_size, len(refs))
 
     sums = DeviceSums.zeros(ctx, device, n_tokens if config.per_token else None)
-    progress = Progress(n_scored, enabled=not config.quiet)
+    progress = Progress(n_scored, enabled=not config.quiet and (dist is None or dist.is_main))
+    on_batch = lambda b: progress.advance(b.n_scored)  # noqa: E731
+    if dist:
+        on_batch = dist.batch_hook(progress, sum(r.window.n_scored for r in refs_here), n_scored)
+        dist.wait_for_peers("to the start of scoring")   # so that scoring_seconds times the whole job
     timings["choose_batch_size"] = time.perf_counter() - mark
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     scoring_started = time.perf_counter()
     batch_size = score_with_backoff(
-        score_fn, batch_of, len(refs), batch_size, sums, device, on_batch=lambda b: progress.advance(b.n_scored),
+        score_fn, batch_of, len(refs_here), batch_size, sums, device, on_batch=on_batch,
     )
+    if dist:
+        dist.all_reduce_sums(sums, n_scored)
     nll_sum = float(sums.nll_sum.item())   # the run's one host sync
     scoring_seconds = time.perf_counter() - scoring_started
     timings["scoring"] = scoring_seconds
@@ -193,6 +207,8 @@ def evaluate(config: EvalConfig) -> dict:
         "config": config.to_dict(),
         "environment": _environment(device),
     }
+    if dist:
+        result["world_size"] = dist.world_size
     if config.per_token:
         result["_per_token"] = sums.per_token[:-1].cpu().numpy()
     return result

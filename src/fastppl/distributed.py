@@ -1,0 +1,380 @@
+"""Data-parallel evaluation on torch.distributed, opt-in from torchrun's environment.
+
+    torchrun --nproc-per-node N -m fastppl eval ...      (or: fastppl eval --nproc N ...)
+
+What each rank does:
+  1. reads, tokenises and windows the whole corpus, exactly as one process would. Every rank therefore
+     validates the same input in the same order and a bad input raises the same FastpplError everywhere,
+     before any collective; `tokens_scored`, bytes and every other corpus count come out identical on all
+     ranks, so only the sums of the scoring need reducing;
+  2. scores only its share of the windows: `shard(windows, rank, world_size)`, balanced by tokens read;
+  3. all-reduces, once at the end, the float64 sums (nll_sum, the per-position sums and counts) and the
+     per-token buffer (each rank fills only the slots it scored, NaN elsewhere; a MIN reduction with NaN
+     read as +inf merges them exactly, so per-token values are bit-identical to one process).
+Only rank 0 shows the progress bar and writes the report; every rank returns the same result dict.
+
+Failure protocol (nothing hangs, no report is written):
+  - A rank that raises anywhere in `evaluate` publishes "rank R: <message>" to the rendezvous store (the
+    first rank to publish wins) and exits with its own error.
+  - The other ranks look at the store at most once a second while scoring (one TCP round trip, no
+    device sync) and at the two store barriers (before scoring and before the final reduce), and stop with
+    PeerFailed("rank R failed: <message>"). So the job stops within about a second of scoring, or within
+    the time the others need to reach their next barrier.
+  - A rank that dies without a word (SIGKILL, machine lost): torchrun stops the other ranks on its
+    machine at once; ranks on other machines stop at the next barrier after FASTPPL_DIST_TIMEOUT seconds
+    (default 600), which is also the process group's timeout for the collectives.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import heapq
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .data.batching import Batch, WindowRef
+from .engine.precision import resolve_device
+from .engine.score import DeviceSums
+from .errors import FastpplError
+
+TIMEOUT_ENV = "FASTPPL_DIST_TIMEOUT"
+DEFAULT_TIMEOUT_S = 600.0
+POLL_INTERVAL_S = 1.0
+# test-only hook: "RANK:MODE" makes that rank fail at its first batch; MODE is error (FastpplError),
+# raise (RuntimeError) or kill (SIGKILL, no chance to publish anything)
+TEST_FAIL_ENV = "FASTPPL_TEST_FAIL"
+
+
+class PeerFailed(FastpplError):
+    """Another rank failed first. `silent` ranks (all but rank 0) leave printing it to rank 0."""
+
+    def __init__(self, message: str, silent: bool):
+        super().__init__(message)
+        self.silent = silent
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sharding (pure)
+
+def shard_assignment(window_refs: Sequence[WindowRef], world_size: int) -> list[int]:
+    """Rank of each window: greedy longest-first onto the rank that has read the fewest tokens so far.
+
+    Deterministic (ties go to the rank with fewer windows, then the lower rank) and balanced: no rank
+    reads more than the lightest one plus one window's length. The cost of a window is the tokens it
+    reads (`length`), which is what the forward pass costs with packed rows; with padded rows it is
+    the number of windows, and that is balanced too when most windows are full-length (all but the last
+    of each document)."""
+    assert world_size >= 1
+    order = sorted(range(len(window_refs)), key=lambda i: (-window_refs[i].window.length, i))
+    lightest = [(0, 0, rank) for rank in range(world_size)]    # (tokens read, windows, rank), a heap
+    owner = [0] * len(window_refs)
+    for i in order:
+        tokens, n_windows, rank = heapq.heappop(lightest)
+        owner[i] = rank
+        heapq.heappush(lightest, (tokens + window_refs[i].window.length, n_windows + 1, rank))
+    return owner
+
+
+def shard(window_refs: Sequence[WindowRef], rank: int, world_size: int) -> list[WindowRef]:
+    """The windows `rank` scores, in their input order. Over all ranks the shares partition the input."""
+    assert 0 <= rank < world_size
+    owner = shard_assignment(window_refs, world_size)
+    return [ref for ref, r in zip(window_refs, owner) if r == rank]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the launch environment (pure)
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_rank_given: bool
+    restart: int            # TORCHELASTIC_RESTART_COUNT: keeps store keys of a restarted job apart
+
+
+def _int_variable(environ: Mapping[str, str], name: str) -> int:
+    try:
+        return int(environ[name])
+    except ValueError:
+        raise FastpplError(f"environment variable {name}={environ[name]!r} is not an integer") from None
+
+
+def launch_env(environ: Mapping[str, str] = os.environ) -> Optional[LaunchEnv]:
+    """The torchrun variables of this process, or None when it runs alone (no WORLD_SIZE, or 1)."""
+    if "WORLD_SIZE" not in environ:
+        return None
+    world_size = _int_variable(environ, "WORLD_SIZE")
+    if world_size <= 1:
+        return None
+    missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in environ]
+    if missing:
+        raise FastpplError(f"WORLD_SIZE is {world_size} but {', '.join(missing)} is not set; "
+                           "start the processes with torchrun (see README: Several GPUs and several machines)")
+    rank = _int_variable(environ, "RANK")
+    if not 0 <= rank < world_size:
+        raise FastpplError(f"RANK {rank} is outside 0..{world_size - 1} (WORLD_SIZE {world_size})")
+    local_rank_given = "LOCAL_RANK" in environ
+    local_rank = _int_variable(environ, "LOCAL_RANK") if local_rank_given else 0
+    restart = _int_variable(environ, "TORCHELASTIC_RESTART_COUNT") if "TORCHELASTIC_RESTART_COUNT" in environ else 0
+    return LaunchEnv(rank, world_size, local_rank, local_rank_given, restart)
+
+
+def rank_device(device_name: str, env: LaunchEnv) -> torch.device:
+    """--device for one rank: auto/cuda become cuda:LOCAL_RANK (one GPU per process); cpu stays cpu."""
+    device = resolve_device(device_name)
+    if device.type != "cuda":
+        return device
+    if device.index is not None:
+        raise FastpplError(f"--device {device_name} names one GPU, but each of the {env.world_size} processes "
+                           "needs its own; pass --device cuda (rank r uses cuda:LOCAL_RANK)")
+    if not env.local_rank_given:
+        raise FastpplError("LOCAL_RANK is not set, so this process cannot pick its GPU; start with torchrun")
+    n_gpus = torch.cuda.device_count()
+    if env.local_rank >= n_gpus:
+        raise FastpplError(f"LOCAL_RANK {env.local_rank} but only {n_gpus} GPU(s) are visible; "
+                           f"start at most {n_gpus} process(es) per machine (--nproc-per-node)")
+    return torch.device("cuda", env.local_rank)
+
+
+def timeout_seconds(environ: Mapping[str, str] = os.environ) -> float:
+    if TIMEOUT_ENV not in environ:
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(environ[TIMEOUT_ENV])
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise FastpplError(f"{TIMEOUT_ENV}={environ[TIMEOUT_ENV]!r}: give a positive number of seconds")
+    return seconds
+
+
+# ---------------------------------------------------------------------------------------------------------
+# one rank of a running job
+
+class Distributed:
+    """This process' place in the job, and the few collective steps evaluation needs."""
+
+    def __init__(self, env: LaunchEnv, device: torch.device, store, timeout_s: float, owns_group: bool):
+        self.rank = env.rank
+        self.world_size = env.world_size
+        self.local_rank = env.local_rank
+        self.device = device
+        self.timeout_s = timeout_s
+        self.store = store              # the rendezvous store, under our own key prefix
+        self.owns_group = owns_group    # we created the process group, so we destroy it at exit
+        self.failed = False             # this rank published a failure
+        self._n_barriers = 0            # every rank passes the same barriers in the same order
+        self._last_poll = float("-inf")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # failures ---------------------------------------------------------------------------------------------
+    def publish_failure(self, message: str) -> None:
+        self.failed = True
+        try:
+            # first writer wins: compare_set only writes when the key is absent
+            self.store.compare_set("failure", "", f"rank {self.rank}: {message}")
+        except Exception:
+            pass  # the store is gone (its host died): the others find out through it as well
+
+    def check_peers(self, force: bool = False) -> None:
+        """Raise PeerFailed if another rank has published a failure (polls at most once a second)."""
+        now = time.monotonic()
+        if not force and now - self._last_poll < POLL_INTERVAL_S:
+            return
+        self._last_poll = now
+        if self._store_check(["failure"]):
+            message = self._store(lambda store: store.get("failure")).decode("utf-8", errors="replace")
+            rank, _, reason = message.partition(": ")
+            raise PeerFailed(f"{rank} failed: {reason}", silent=not self.is_main)
+
+    def wait_for_peers(self, stage: str) -> None:
+        """A barrier through the store that also watches for failures, so it never waits on a dead rank
+        for longer than the timeout."""
+        prefix = f"barrier{self._n_barriers}/"
+        self._n_barriers += 1
+        self._store(lambda store: store.set(f"{prefix}{self.rank}", "1"))
+        keys = [f"{prefix}{r}" for r in range(self.world_size)]
+        deadline = time.monotonic() + self.timeout_s
+        pause = 0.001
+        while True:
+            self.check_peers(force=True)
+            if self._store_check(keys):
+                return
+            if time.monotonic() > deadline:
+                missing = [r for r in range(self.world_size) if not self._store_check([f"{prefix}{r}"])]
+                raise FastpplError(
+                    f"rank(s) {', '.join(map(str, missing))} did not get {stage} within {self.timeout_s:.0f} s; "
+                    f"a process may have died (see its log); {TIMEOUT_ENV} sets this limit")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+    def _store(self, call):
+        try:
+            return call(self.store)
+        except RuntimeError:   # DistNetworkError & co: the store's host has gone
+            raise PeerFailed("lost the rendezvous store: rank 0 (or torchrun on the first machine) has stopped; "
+                             "its log has the reason", silent=False) from None
+
+    def _store_check(self, keys: list[str]) -> bool:
+        return self._store(lambda store: store.check(keys))
+
+    # scoring ----------------------------------------------------------------------------------------------
+    def batch_hook(self, progress, share_tokens: int, total_tokens: int) -> Callable[[Batch], None]:
+        """on_batch for score_batches: progress and failure polling. Rank 0's bar shows its own share
+        scaled to the whole job: shares are balanced, so its fraction done approximates the job's."""
+        scale = total_tokens / share_tokens if share_tokens else 0.0
+        done = 0
+
+        def on_batch(batch: Batch) -> None:
+            nonlocal done
+            done += batch.n_scored
+            progress.advance(round(done * scale) - progress.done)
+            _injected_failure(self.rank)
+            self.check_peers()
+
+        return on_batch
+
+    def all_reduce_sums(self, sums: DeviceSums, n_scored: int) -> None:
+        """Sum every rank's DeviceSums in place, once; afterwards each rank holds the job's sums."""
+        self.wait_for_peers("to the end of scoring")
+        T = sums.position_nll_sum.shape[0]
+        flat = torch.cat([sums.nll_sum.view(1), sums.position_nll_sum, sums.position_count])   # (1 + 2T,) float64
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        sums.nll_sum.copy_(flat[0])
+        sums.position_nll_sum.copy_(flat[1:1 + T])
+        sums.position_count.copy_(flat[1 + T:])
+        if sums.per_token is not None:
+            # each slot is scored by exactly one rank: NaN (unscored here) reads as +inf, MIN keeps the score
+            merged = torch.where(torch.isnan(sums.per_token), float("inf"), sums.per_token)
+            dist.all_reduce(merged, op=dist.ReduceOp.MIN)
+            sums.per_token.copy_(torch.where(torch.isinf(merged), float("nan"), merged))
+        assert round(float(flat[1 + T:].sum())) == n_scored, "the ranks' shares do not cover every window once"
+
+
+_active: Optional[Distributed] = None
+
+
+def init_distributed(device_name: str) -> Optional[Distributed]:
+    """Join the job described by torchrun's environment; None when this process runs alone.
+
+    Idempotent: later calls in the same process return the same object (and keep its device). A process
+    group the caller created already (torchrun script using fastppl.evaluate) is reused."""
+    global _active
+    env = launch_env()
+    if env is None:
+        return None
+    if _active is not None:
+        return _active
+    device = rank_device(device_name, env)
+    timeout_s = timeout_seconds()
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s), device_id=device)
+        else:
+            dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
+        raise FastpplError("the existing process group does not match RANK / WORLD_SIZE of the environment")
+    from torch.distributed import distributed_c10d   # the rendezvous store has no public getter
+    store = dist.PrefixStore(f"fastppl/{env.restart}/", distributed_c10d._get_default_store())
+    _active = Distributed(env, device, store, timeout_s, owns_group)
+    atexit.register(_shutdown)
+    return _active
+
+
+def _shutdown() -> None:
+    # after a failure the peers may be gone, and tearing down a group with dead peers can block: skip it
+    if _active is not None and _active.owns_group and not _active.failed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_main_process() -> bool:
+    """Whether this process prints and writes files: rank 0, or a process that runs alone."""
+    return _active is None or _active.is_main
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, FastpplError):
+        return str(error)
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted"
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:300]}" if text else type(error).__name__
+
+
+def stop_all_on_failure(fn):
+    """Decorator: an exception in this rank is published so that the other ranks stop too."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except BaseException as error:
+            if _active is not None and not _active.failed and not isinstance(error, PeerFailed):
+                _active.publish_failure(_describe(error))
+            raise
+    return wrapper
+
+
+def _injected_failure(rank: int) -> None:
+    spec = os.environ.get(TEST_FAIL_ENV)
+    if not spec:
+        return
+    fail_rank, _, mode = spec.partition(":")
+    if int(fail_rank) != rank:
+        return
+    if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "raise":
+        raise RuntimeError(f"injected failure on rank {rank} ({TEST_FAIL_ENV})")
+    raise FastpplError(f"injected failure on rank {rank} ({TEST_FAIL_ENV})")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# fastppl eval --nproc N: torchrun on this machine
+
+def is_nproc_option(token: str) -> bool:
+    """--nproc, --nproc=N, and the abbreviations argparse accepts for it (--npr ...)."""
+    option = token.split("=", 1)[0]
+    return len(option) >= 3 and "--nproc".startswith(option)
+
+
+def without_nproc(argv: Sequence[str]) -> list[str]:
+    """argv less its --nproc option, so that the relaunched command runs as one rank."""
+    out, skip_value = [], False
+    for token in argv:
+        if skip_value:
+            skip_value = False
+        elif is_nproc_option(token):
+            skip_value = "=" not in token
+        else:
+            out.append(token)
+    return out
+
+
+def torchrun_command(nproc: int, fastppl_argv: Sequence[str]) -> list[str]:
+    # --standalone: a rendezvous on localhost with a free port, so that several jobs can share a machine
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            "-m", "fastppl", *fastppl_argv]
+
+
+def relaunch_under_torchrun(nproc: int, argv: Sequence[str]) -> int:
+    """Run `fastppl <argv>` as nproc ranks on this machine; torchrun's exit status is ours."""
+    if launch_env() is not None:
+        raise FastpplError("--nproc starts torchrun itself; drop it when the command already runs under torchrun")
+    returncode = subprocess.run(torchrun_command(nproc, without_nproc(argv))).returncode
+    return 128 - returncode if returncode < 0 else returncode   # killed by signal s: 128 + s, as a shell does

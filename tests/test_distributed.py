@@ -1,0 +1,286 @@
+"""Data-parallel evaluation: the pure parts (shard, environment, --nproc) and, with 2 CPU processes on
+gloo, the reference test (two ranks = one process) and the failure protocol."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fastppl.cli import main
+from fastppl.data.batching import WindowRef
+from fastppl.data.windows import Window, chunked_windows
+from fastppl.distributed import (LaunchEnv, launch_env, rank_device, shard, shard_assignment, timeout_seconds,
+                                 torchrun_command, without_nproc)
+from fastppl.errors import FastpplError
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+        "foolishness, it was the epoch of belief, it was the epoch of incredulity. ") * 6
+DOCS = [
+    "The quick brown fox jumps over the lazy dog, and then the dog wakes up and chases the fox around.",
+    "A",
+    "Call me Ishmael. Some years ago, never mind how long precisely, having little or no money in my purse, "
+    "and nothing particular to interest me on shore, I thought I would sail about a little.",
+    "In the beginning.",
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want "
+    "of a wife. " * 3,
+]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# shard (pure)
+
+def _refs(lengths):
+    return [WindowRef(doc=i, window=Window(start=0, length=n, score_from=0)) for i, n in enumerate(lengths)]
+
+
+@pytest.mark.parametrize("lengths, world", [
+    ([64] * 13 + [7], 2),                 # one long document: does not divide evenly
+    ([64] * 13 + [7], 3),
+    ([5, 40, 3, 64, 64, 17, 1, 30, 22, 64, 9], 4),
+    ([64, 12], 5),                        # more ranks than windows
+    ([], 3),
+])
+def test_shard_partitions_the_windows_and_balances_tokens(lengths, world):
+    refs = _refs(lengths)
+    shares = [shard(refs, rank, world) for rank in range(world)]
+    seen = [ref for share in shares for ref in share]
+    assert sorted(r.doc for r in seen) == list(range(len(refs)))          # each window exactly once
+    for share in shares:                                                   # input order kept
+        assert [r.doc for r in share] == sorted(r.doc for r in share)
+    loads = [sum(r.window.length for r in share) for share in shares]
+    if refs:
+        assert max(loads) - min(loads) <= max(lengths)
+    if len(refs) < world:
+        assert sum(1 for share in shares if not share) == world - len(refs)
+
+
+def test_shard_is_deterministic_and_the_identity_on_one_rank():
+    refs = _refs([64, 3, 64, 64, 20, 20, 1])
+    assert shard(refs, 0, 1) == refs
+    assert shard_assignment(refs, 3) == shard_assignment(list(refs), 3)
+    # full windows alternate, so that padded batches are balanced as well as tokens
+    full = _refs([64] * 8)
+    assert [len(shard(full, rank, 2)) for rank in range(2)] == [4, 4]
+
+
+def test_shard_golden():
+    # longest first onto the lightest rank; ties: fewer windows, then lower rank
+    refs = _refs([10, 30, 20, 30, 5])
+    assert shard_assignment(refs, 2) == [1, 0, 0, 1, 1]
+    assert shard_assignment([WindowRef(0, w) for w in chunked_windows(10, 4)], 2) == [0, 1, 0]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# environment and --nproc (pure)
+
+def test_launch_env():
+    assert launch_env({}) is None
+    assert launch_env({"WORLD_SIZE": "1", "RANK": "0"}) is None
+    env = {"WORLD_SIZE": "4", "RANK": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "n1", "MASTER_PORT": "29500",
+           "TORCHELASTIC_RESTART_COUNT": "1"}
+    assert launch_env(env) == LaunchEnv(rank=2, world_size=4, local_rank=0, local_rank_given=True, restart=1)
+    with pytest.raises(FastpplError, match="MASTER_ADDR"):
+        launch_env({"WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": "1"})
+    with pytest.raises(FastpplError, match="outside"):
+        launch_env({**env, "RANK": "4"})
+    with pytest.raises(FastpplError, match="not an integer"):
+        launch_env({**env, "WORLD_SIZE": "two"})
+
+
+def test_rank_device_and_timeout():
+    env = LaunchEnv(rank=1, world_size=2, local_rank=1, local_rank_given=True, restart=0)
+    assert rank_device("cpu", env).type == "cpu"
+    assert timeout_seconds({}) == 600.0
+    assert timeout_seconds({"FASTPPL_DIST_TIMEOUT": "2.5"}) == 2.5
+    with pytest.raises(FastpplError, match="positive"):
+        timeout_seconds({"FASTPPL_DIST_TIMEOUT": "0"})
+
+
+def test_nproc_is_removed_from_the_relaunched_command():
+    argv = ["eval", "--model", "m", "--nproc", "2", "--data", "d", "--nproc=3", "--npr", "4", "--quiet"]
+    assert without_nproc(argv) == ["eval", "--model", "m", "--data", "d", "--quiet"]
+    command = torchrun_command(2, ["eval", "--model", "m"])
+    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert command[3:] == ["--standalone", "--nproc-per-node", "2", "-m", "fastppl", "eval", "--model", "m"]
+
+
+def test_nproc_below_one_is_an_error(tmp_path, tokenizer_dir, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    assert main(["eval", "--model", "random:gpt2-tiny", "--data", str(text), "--nproc", "0"]) == 2
+    assert "--nproc must be at least 1" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# two processes (gloo) against one
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def _corpus(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    short = tmp_path / "short.txt"
+    short.write_text("Only one window here.")
+    return text, docs, short
+
+
+def _cases(tmp_path, tokenizer_dir):
+    """name -> argv without outputs. The windows of `text` (ctx 32) do not divide evenly between 2 ranks;
+    `short` has one window, so rank 1 has nothing to score."""
+    text, docs, short = _corpus(tmp_path)
+    common = ["--model", "random:gpt2-tiny", "--tokenizer", str(tokenizer_dir), "--device", "cpu", "--quiet"]
+    return {
+        "chunked": ["eval", *common, "--data", str(text), "--ctx", "32", "--batch-size", "3"],
+        "sliding": ["eval", *common, "--data", str(text), "--window", "sliding", "--ctx", "32", "--stride", "12"],
+        "sliding_bos": ["eval", *common, "--data", str(text), "--window", "sliding", "--ctx", "24", "--bos"],
+        "docs_chunked": ["eval", *common, "--data", str(docs), "--ctx", "16", "--batch-size", "2"],
+        "docs_sliding": ["eval", *common, "--data", str(docs), "--window", "sliding", "--ctx", "16", "--stride", "5"],
+        "one_window": ["eval", *common, "--data", str(short), "--ctx", "64"],
+    }
+
+
+def _outputs(directory: Path, name: str) -> list[str]:
+    return ["--json", str(directory / f"{name}.json"), "--per-token", str(directory / f"{name}.npy")]
+
+
+def _assert_same(one: Path, two: Path, name: str):
+    a = json.loads((one / f"{name}.json").read_text())
+    b = json.loads((two / f"{name}.json").read_text())
+    assert b["world_size"] == 2 and "world_size" not in a
+    for key in ("tokens_scored", "tokens_total", "bytes", "documents", "windows", "ctx", "stride"):
+        assert a[key] == b[key], key
+    assert b["nll_sum"] == pytest.approx(a["nll_sum"], rel=1e-12, abs=0)
+    assert b["nll"] == pytest.approx(a["nll"], rel=1e-12, abs=0)
+    for x, y in zip(a["nll_by_position"], b["nll_by_position"], strict=True):
+        assert (x is None and y is None) or y == pytest.approx(x, rel=1e-12, abs=0)
+    per_token_one, per_token_two = np.load(one / f"{name}.npy"), np.load(two / f"{name}.npy")
+    assert per_token_one.dtype == per_token_two.dtype and per_token_one.shape == per_token_two.shape
+    assert np.array_equal(per_token_one, per_token_two, equal_nan=True)   # identical, not merely close
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_process(tmp_path, tokenizer_dir):
+    cases = _cases(tmp_path, tokenizer_dir)
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    for name, argv in cases.items():
+        assert main(argv + _outputs(one, name)) == 0
+
+    # every case in one torchrun job (2 processes started once), each through the CLI; last, a bad input,
+    # which every rank validates alike and rejects with the same error before any collective
+    jobs = [(argv + _outputs(two, name), 0) for name, argv in cases.items()]
+    jobs.append((cases["chunked"] + ["--ctx", "1000"] + _outputs(two, "bad"), 2))
+    runner = tmp_path / "run_cases.py"
+    runner.write_text("import json, sys\nfrom fastppl.cli import main\n"
+                      "for argv, rc in json.load(open(sys.argv[1])):\n    assert main(argv) == rc, argv\n")
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(runner), str(tmp_path / "jobs.json")], env=_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in cases:
+        _assert_same(one, two, name)
+    bad = "fastppl: error: --ctx 1000 exceeds the model's maximum of 256 positions; lower --ctx"
+    assert done.stderr.count(bad) == 2                    # one line from each rank
+    assert not (two / "bad.json").exists() and not (two / "bad.npy").exists()
+
+
+@pytest.mark.slow
+def test_nproc_shortcut_runs_torchrun(tmp_path, tokenizer_dir):
+    argv = _cases(tmp_path, tokenizer_dir)["docs_chunked"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    assert main(argv + _outputs(one, "docs_chunked")) == 0
+    done = subprocess.run([sys.executable, "-m", "fastppl", *argv, "--nproc", "2", *_outputs(two, "docs_chunked")],
+                          env=_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("perplexity") == 1          # only rank 0 prints the summary
+    _assert_same(one, two, "docs_chunked")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# failures: every rank stops quickly, the first error is shown, no report is written
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch_without_torchrun(argv, **extra_env) -> list[subprocess.CompletedProcess]:
+    """Two ranks started by hand (as an scheduler's own launcher would), so that what stops rank 0 is
+    fastppl's failure protocol and not torchrun killing it."""
+    port = str(_free_port())
+    processes = [subprocess.Popen(
+        [sys.executable, "-m", "fastppl", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                 **extra_env),
+    ) for rank in range(2)]
+    results = []
+    for p in processes:
+        try:
+            stdout, stderr = p.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            for q in processes:
+                q.kill()
+            raise AssertionError("a rank hung")
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return results
+
+
+def _long_job(tmp_path, tokenizer_dir) -> list[str]:
+    # batch size 1 and ctx 16: rank 0 still has many batches to go when rank 1 fails at its first
+    text, _, _ = _corpus(tmp_path)
+    return ["eval", "--model", "random:gpt2-tiny", "--tokenizer", str(tokenizer_dir), "--device", "cpu", "--quiet",
+            "--data", str(text), "--ctx", "16", "--batch-size", "1", "--json", str(tmp_path / "r.json")]
+
+
+@pytest.mark.slow
+def test_a_failing_rank_stops_the_other_with_its_error(tmp_path, tokenizer_dir):
+    rank0, rank1 = _launch_without_torchrun(_long_job(tmp_path, tokenizer_dir), FASTPPL_TEST_FAIL="1:error")
+    assert rank1.returncode == 2
+    assert rank1.stderr.strip() == "fastppl: error: injected failure on rank 1 (FASTPPL_TEST_FAIL)"
+    assert rank0.returncode == 2
+    assert rank0.stderr.strip() == "fastppl: error: rank 1 failed: injected failure on rank 1 (FASTPPL_TEST_FAIL)"
+    assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_job_after_the_timeout(tmp_path, tokenizer_dir):
+    started = time.monotonic()
+    rank0, rank1 = _launch_without_torchrun(_long_job(tmp_path, tokenizer_dir),
+                                            FASTPPL_TEST_FAIL="1:kill", FASTPPL_DIST_TIMEOUT="2")
+    assert rank1.returncode == -9
+    assert rank0.returncode == 2
+    assert "rank(s) 1 did not get to the end of scoring within 2 s" in rank0.stderr
+    assert time.monotonic() - started < 60
+    assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_raising_rank_fails_the_job(tmp_path, tokenizer_dir):
+    # torchrun stops the other rank as soon as one exits non-zero and exits 1 itself; --nproc passes that on
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "fastppl", *_long_job(tmp_path, tokenizer_dir), "--nproc", "2"],
+                          env=_env(FASTPPL_TEST_FAIL="1:raise"), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "RuntimeError: injected failure on rank 1 (FASTPPL_TEST_FAIL)" in done.stderr
+    assert time.monotonic() - started < 60
+    assert not (tmp_path / "r.json").exists()
