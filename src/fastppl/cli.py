@@ -28,19 +28,26 @@ def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-field", default="text", help="field of a .jsonl line holding the text")
     p.add_argument("--data-dir", help="directory holding local copies of built-in corpora (or FASTPPL_DATA_DIR)")
     p.add_argument("--errors", default="strict", choices=["strict", "replace"], help="undecodable UTF-8 bytes")
-    p.add_argument("--window", default="chunked", choices=["chunked", "sliding"])
+    p.add_argument("--window", default="chunked", choices=["chunked", "sliding"],
+                   help="chunked: every token scored once, disjoint windows from BOS (default); "
+                        "sliding: the HF guide's strided windows (see README, 'What is measured')")
     p.add_argument("--ctx", type=int, help="tokens per window (default: the model's maximum)")
     p.add_argument("--stride", type=int, help="sliding: tokens between window starts (default ctx/2)")
     p.add_argument("--bos", action="store_true", help="sliding: prefix BOS so that the first token is scored")
     p.add_argument("--batch-size", type=_batch_size, default="auto",
-                   help="rows per batch, or auto: the largest that fits on a GPU with headroom, 8 on the CPU")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
-    p.add_argument("--backend", default="auto", choices=["auto", "native", "hf"])
-    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
+                   help="windows per forward pass, or auto: the largest that fits on a GPU with headroom, 8 on "
+                        "the CPU (the result does not depend on it)")
+    p.add_argument("--device", default="auto", help="auto (CUDA if visible, else cpu), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="weights and activations; the loss is always fp32 (auto: bf16 on CUDA, fp32 on cpu)")
+    p.add_argument("--backend", default="auto", choices=["auto", "native", "hf"],
+                   help="native GPT-2 or transformers' AutoModelForCausalLM (auto: native where it is exact)")
+    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                   help="torch.compile the scorer (auto: on CUDA, only for runs long enough to repay it)")
     p.add_argument("--loss", default="auto", choices=["auto", "chunked", "fused"],
                    help="per-token loss: chunked projection, or the fused Triton kernel (CUDA); auto = fused on CUDA")
-    p.add_argument("--loss-chunk-rows", type=int, default=8192)
+    p.add_argument("--loss-chunk-rows", type=int, default=8192,
+                   help="chunked loss: rows of the output projection computed at once (memory: rows x vocab x 4 bytes)")
     p.add_argument("--seed", type=int, default=0, help="seed of random:<preset> weights")
     p.add_argument("--json", help="write the full report here")
     p.add_argument("--per-token", help="write per-token NLL here (.npy float32, NaN where unscored)")
@@ -113,7 +120,10 @@ def _relaunch(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastppl", description="Exact perplexity of causal language models, fast.")
     sub = parser.add_subparsers(dest="command", required=True)
-    eval_parser = sub.add_parser("eval", help="NLL, perplexity and bits per byte of a model over a corpus")
+    eval_parser = sub.add_parser(
+        "eval", help="NLL, perplexity and bits per byte of a model over a corpus",
+        description="NLL, perplexity and bits per byte of a model over a corpus. "
+                    "Example: fastppl eval --model gpt2 --data tinyshakespeare --split val")
     _add_eval_arguments(eval_parser)
     eval_parser.add_argument("--nproc", type=int,
                              help="processes (GPUs) on this machine: re-runs the command under torchrun")

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import math
 import platform
+import sys
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -54,12 +56,18 @@ def plan_windows(config: EvalConfig, streams: list[Stream], ctx: int) -> list[Wi
     return refs
 
 
-def scored_bytes(config: EvalConfig, documents: list[Document], tokens: list[np.ndarray], tokenizer: Tokenizer) -> int:
-    """UTF-8 bytes of the scored text: all of it, less the first token of each document when sliding
-    without --bos leaves that token unscored."""
+def scored_bytes(documents: list[Document], tokens: list[np.ndarray], streams: list[Stream],
+                 refs: list[WindowRef], tokenizer: Tokenizer) -> int:
+    """UTF-8 bytes of the scored text: all of it, less the bytes of the tokens no window scores (sliding:
+    each document's first token without --bos, and with --stride equal to --ctx each window's first)."""
     total = sum(len(d.text.encode("utf-8")) for d in documents)
-    if config.window == "sliding" and not config.bos:
-        total -= sum(tokenizer.n_bytes(t[:1]) for t in tokens if len(t))
+    scored = [np.zeros(len(t), dtype=bool) for t in tokens]
+    for ref in refs:
+        w, stream = ref.window, streams[ref.doc]
+        first = w.start + w.score_from + 1 - (1 if stream.bos else 0)   # stream index j is token j - bos
+        scored[ref.doc][first:first + w.n_scored] = True
+    for ids, mask in zip(tokens, scored):
+        total -= sum(tokenizer.token_n_bytes(ids, int(i)) for i in np.flatnonzero(~mask))
     return total
 
 
@@ -72,6 +80,16 @@ def _environment(device: torch.device) -> dict:
     else:
         env["device_name"] = platform.processor() or platform.machine()
     return env
+
+
+def _peak_host_memory_bytes() -> Optional[int]:
+    """The process' peak resident set size, so a CPU run reports its peak memory too."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024   # Linux reports KiB, macOS bytes
 
 
 @stop_all_on_failure   # under torchrun: a failing rank makes every rank stop
@@ -175,7 +193,7 @@ def evaluate(config: EvalConfig) -> dict:
     if not math.isfinite(nll_sum):
         raise FastpplError("the model produced a non-finite loss; try --dtype fp32")
 
-    n_bytes = scored_bytes(config, documents, tokens, tokenizer)
+    n_bytes = scored_bytes(documents, tokens, streams, refs, tokenizer)
     nll = nll_sum / n_scored
     counts = sums.position_count.cpu().numpy()
     by_position = np.where(counts > 0, sums.position_nll_sum.cpu().numpy() / np.maximum(counts, 1), np.nan)
@@ -203,6 +221,7 @@ def evaluate(config: EvalConfig) -> dict:
         "stage_seconds": timings,
         "tokens_per_second": n_scored / scoring_seconds if scoring_seconds > 0 else float("nan"),
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "peak_host_memory_bytes": _peak_host_memory_bytes(),
         "nll_by_position": [None if math.isnan(x) else float(x) for x in by_position],
         "config": config.to_dict(),
         "environment": _environment(device),

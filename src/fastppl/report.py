@@ -11,27 +11,45 @@ from .errors import FastpplError
 
 
 def check_writable(path: str, flag: str) -> None:
-    """Fail before any work if an output file cannot be written."""
-    parent = Path(path).expanduser().resolve().parent
-    if Path(path).is_dir():
+    """Fail before any work if an output file cannot be written. Creating a file is the only reliable
+    test: os.access says yes to root on read-only and pseudo filesystems."""
+    target = Path(path).expanduser()
+    parent = target.resolve().parent
+    if target.is_dir():
         raise FastpplError(f"{flag} {path}: is a directory; give a file path")
     if not parent.is_dir():
         raise FastpplError(f"{flag} {path}: directory {parent} does not exist; create it or pick another path")
-    if not os.access(parent, os.W_OK):
-        raise FastpplError(f"{flag} {path}: directory {parent} is not writable; pick another path")
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix="." + target.name + ".")
+    except OSError as e:
+        raise FastpplError(f"{flag} {path}: cannot create files in {parent} ({e.strerror}); pick another path") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def _new_file_mode() -> int:
+    """The mode open() gives a new file: 0666 less the umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def write_atomic(path: str, write: Callable, binary: bool = False) -> None:
-    """write(file) into a temporary file beside path, then rename it into place."""
+    """write(file) into a temporary file beside path, then rename it into place; on any failure
+    nothing is left behind, and an OS error is a one-line FastpplError."""
     target = Path(path).expanduser()
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix="." + target.name + ".")
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix="." + target.name + ".")
         with os.fdopen(fd, "wb" if binary else "w") as f:
             write(f)
+        os.chmod(tmp, _new_file_mode())   # mkstemp's 0600 would hide the report from the group
         os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
+    except BaseException as e:
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise FastpplError(f"cannot write {path} ({e.strerror or e}); nothing was written") from None
         raise
 
 

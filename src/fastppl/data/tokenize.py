@@ -30,6 +30,13 @@ class Tokenizer:
     def n_bytes(self, ids) -> int:
         return len(self.hf.decode(list(ids)).encode("utf-8"))
 
+    def token_n_bytes(self, ids: np.ndarray, i: int) -> int:
+        """UTF-8 bytes that token ids[i] adds to the decoded text. Decoded after up to 8 tokens of left
+        context, not alone, because decoders treat the start of a text specially (SentencePiece drops
+        the leading space of its first token)."""
+        left = max(i - 8, 0)
+        return self.n_bytes(ids[left:i + 1].tolist()) - self.n_bytes(ids[left:i].tolist())
+
 
 def load_tokenizer(name_or_path: str, offline_hint: str = "") -> Tokenizer:
     from transformers import AutoTokenizer
@@ -44,6 +51,12 @@ def load_tokenizer(name_or_path: str, offline_hint: str = "") -> Tokenizer:
             f"cannot load tokenizer {name_or_path!r} ({first_line[:200]}); "
             f"pass --tokenizer PATH to a local tokenizer directory{offline_hint}"
         ) from None
+    if len(hf.get_vocab()) <= len(set(hf.all_special_ids)):
+        # transformers builds an empty tokenizer from a model directory that holds no tokenizer files
+        raise FastpplError(
+            f"{name_or_path}: holds no tokenizer vocabulary; pass --tokenizer PATH to a tokenizer directory"
+            f"{offline_hint}"
+        )
     hf.model_max_length = 1 << 62  # we window ourselves; silence the "sequence too long" warning
     backend = getattr(hf, "backend_tokenizer", None)
     serialised = backend.to_str() if backend is not None else repr(sorted(hf.get_vocab().items()))

@@ -42,6 +42,21 @@ def gpt2_config_from_hf(hf_config: dict) -> GPT2Config:
     )
 
 
+def gpt2_native_gaps(hf_config: dict) -> list[str]:
+    """Settings of a GPT-2 config.json that the native GPT2 does not implement (empty: it is exact).
+    Such a checkpoint must run through transformers, or it would load and score wrongly."""
+    n_inner = hf_config.get("n_inner")
+    checks = {
+        "activation_function": hf_config.get("activation_function", "gelu_new") in ("gelu_new", "gelu_pytorch_tanh"),
+        "n_inner": n_inner is None or n_inner == 4 * hf_config.get("n_embd", 0),
+        "scale_attn_weights": hf_config.get("scale_attn_weights", True) is True,
+        "scale_attn_by_inverse_layer_idx": not hf_config.get("scale_attn_by_inverse_layer_idx", False),
+        "reorder_and_upcast_attn": not hf_config.get("reorder_and_upcast_attn", False),
+        "tie_word_embeddings": hf_config.get("tie_word_embeddings", True) is not False,
+    }
+    return [f"{name}={hf_config.get(name)!r}" for name, supported in checks.items() if not supported]
+
+
 def gpt2_config_to_hf(config: GPT2Config) -> dict:
     return dict(
         model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=config.vocab_size,

@@ -11,7 +11,7 @@ import torch.nn as nn
 from ..errors import FastpplError
 from .gpt2 import GPT2, PRESETS
 from .hf_backend import HFCausalLM
-from .hf_convert import gpt2_config_from_hf, gpt2_config_to_hf, load_hf_gpt2_state_dict
+from .hf_convert import gpt2_config_from_hf, gpt2_config_to_hf, gpt2_native_gaps, load_hf_gpt2_state_dict
 
 NATIVE_MODEL_TYPES = ("gpt2",)
 RANDOM_PREFIX = "random:"
@@ -88,14 +88,32 @@ def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
 
 def _load_hf(directory: Path, dtype: torch.dtype) -> HFCausalLM:
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    # quiet: no progress bar or load report on stderr; problems with the weights are raised below
+    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
     try:
-        hf_model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype)
+        hf_model, loading_info = AutoModelForCausalLM.from_pretrained(
+            str(directory), dtype=dtype, output_loading_info=True)
     except Exception as e:
         first_line = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise FastpplError(
             f"{directory}: transformers cannot load it ({first_line}); the checkpoint is corrupt or of an "
             "unsupported architecture"
         ) from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    # transformers fills weights missing from the checkpoint with random values and only warns
+    missing = sorted(loading_info["missing_keys"])
+    if missing:
+        raise FastpplError(
+            f"{directory}: checkpoint lacks {len(missing)} weights (first: {missing[0]}); the file is "
+            "incomplete or does not match config.json"
+        )
     return HFCausalLM(hf_model)
 
 
@@ -123,7 +141,10 @@ def load_model(spec: str, backend: str = "auto", dtype: torch.dtype = torch.floa
             f"{spec}: model_type {model_type!r} has no native implementation "
             f"({', '.join(NATIVE_MODEL_TYPES)}); use --backend hf"
         )
-    if backend == "hf" or model_type not in NATIVE_MODEL_TYPES:
+    gaps = gpt2_native_gaps(hf_config) if model_type == "gpt2" else []
+    if backend == "native" and gaps:
+        raise FastpplError(f"{spec}: the native GPT-2 does not implement {', '.join(gaps)}; use --backend hf")
+    if backend == "hf" or model_type not in NATIVE_MODEL_TYPES or gaps:
         return _load_hf(directory, dtype).eval()
     try:
         config = gpt2_config_from_hf(hf_config)

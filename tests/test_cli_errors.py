@@ -1,0 +1,327 @@
+"""Every bad input of issue 2 through the CLI: one line "fastppl: error: ..." on stderr, exit code 2,
+no traceback, and neither the --json nor the --per-token file is created.
+
+A few cases run `python -m fastppl` as a subprocess (the real entry point, real stderr); the rest
+call fastppl.cli.main in-process."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from fastppl.cli import main
+from fastppl.report import write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = "random:gpt2-tiny"
+
+
+@pytest.fixture
+def outputs(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    return out / "report.json", out / "tokens.npy"
+
+
+@pytest.fixture
+def text(tmp_path):
+    path = tmp_path / "text.txt"
+    path.write_text("It is a tale told by an idiot, full of sound and fury, signifying nothing.\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny HF GPT-2 directory (vocabulary of 1,000 ids: smaller than GPT-2's tokenizer)."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=1000, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                                       bos_token_id=999, eos_token_id=999))
+    directory = tmp_path_factory.mktemp("small-vocab")
+    model.save_pretrained(directory)
+    return directory
+
+
+def _copy_checkpoint(source: Path, dest: Path) -> Path:
+    dest.mkdir()
+    for f in source.iterdir():
+        (dest / f.name).write_bytes(f.read_bytes())
+    return dest
+
+
+def _args(model, data, outputs, tokenizer_dir, *extra):
+    json_path, npy_path = outputs
+    return ["eval", "--model", str(model), "--data", str(data), "--tokenizer", str(tokenizer_dir), "--device", "cpu",
+            "--quiet", "--json", str(json_path), "--per-token", str(npy_path), *map(str, extra)]
+
+
+def _assert_user_error(rc, err, outputs, *fragments):
+    assert rc == 2, err
+    assert err.startswith("fastppl: error: ") and err.count("\n") == 1, err   # exactly one line
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err, err
+    for path in outputs:
+        assert not path.exists(), f"{path} was created"
+    leftovers = list(outputs[0].parent.iterdir()) if outputs[0].parent.is_dir() else []
+    assert leftovers == [], f"partial files left: {leftovers}"
+
+
+def _main(capsys, args):
+    rc = main(args)
+    return rc, capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- the real entry point
+def _subprocess(args):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "fastppl", *args], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def test_subprocess_missing_file(tmp_path, outputs, tokenizer_dir):
+    proc = _subprocess(_args(TINY, tmp_path / "nope.txt", outputs, tokenizer_dir))
+    _assert_user_error(proc.returncode, proc.stderr, outputs, "nope.txt: no such file")
+    assert proc.stdout == ""
+
+
+def test_subprocess_truncated_checkpoint(tmp_path, checkpoint, text, outputs, tokenizer_dir):
+    broken = _copy_checkpoint(checkpoint, tmp_path / "truncated")
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    proc = _subprocess(_args(broken, text, outputs, tokenizer_dir))
+    _assert_user_error(proc.returncode, proc.stderr, outputs, "model.safetensors", "corrupt or truncated")
+
+
+def test_subprocess_help_and_usage():
+    proc = _subprocess(["eval", "--help"])
+    assert proc.returncode == 0 and proc.stderr == ""
+    for flag in ("--model", "--data", "--window", "--ctx", "--stride", "--bos", "--json", "--per-token"):
+        assert flag in proc.stdout
+    proc = _subprocess([])
+    assert proc.returncode == 2 and "usage: fastppl" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------------- the data
+def test_empty_file(tmp_path, outputs, tokenizer_dir, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    _assert_user_error(*_main(capsys, _args(TINY, empty, outputs, tokenizer_dir)), outputs, "is empty")
+
+
+def test_empty_jsonl(tmp_path, outputs, tokenizer_dir, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    _assert_user_error(*_main(capsys, _args(TINY, empty, outputs, tokenizer_dir)), outputs, "empty")
+
+
+def test_missing_file_in_process(tmp_path, outputs, tokenizer_dir, capsys):
+    _assert_user_error(*_main(capsys, _args(TINY, tmp_path / "missing.jsonl", outputs, tokenizer_dir)), outputs,
+                       "no such file")
+
+
+def test_directory_as_data(tmp_path, outputs, tokenizer_dir, capsys):
+    _assert_user_error(*_main(capsys, _args(TINY, tmp_path, outputs, tokenizer_dir)), outputs, "is a directory")
+
+
+def test_unknown_builtin(outputs, tokenizer_dir, capsys):
+    _assert_user_error(*_main(capsys, _args(TINY, "tinyshakespear", outputs, tokenizer_dir)), outputs,
+                       "not a file and not a built-in corpus")
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_invalid_utf8_names_the_byte_offset(tmp_path, outputs, tokenizer_dir, capsys, suffix):
+    bad = tmp_path / f"bad{suffix}"
+    prefix = b'{"text": "Fair is foul, and ' if suffix == ".jsonl" else b"Fair is foul, and "
+    bad.write_bytes(prefix + b"foul is \xff fair"
+                    + (b'"}\n' if suffix == ".jsonl" else b"\n"))
+    _assert_user_error(*_main(capsys, _args(TINY, bad, outputs, tokenizer_dir)), outputs,
+                       f"byte {len(prefix) + 8} (0xff) is not valid UTF-8", "--errors replace")
+    # --errors replace carries on (U+FFFD in place of the byte) and writes both files
+    assert main(_args(TINY, bad, outputs, tokenizer_dir, "--errors", "replace")) == 0
+    assert all(p.exists() for p in outputs)
+
+
+def test_invalid_jsonl_lines(tmp_path, outputs, tokenizer_dir, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": oops}\n')
+    _assert_user_error(*_main(capsys, _args(TINY, bad, outputs, tokenizer_dir)), outputs, "bad.jsonl:2: not valid JSON")
+    bad.write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    _assert_user_error(*_main(capsys, _args(TINY, bad, outputs, tokenizer_dir)), outputs, "no field 'text'",
+                       "--text-field")
+
+
+@pytest.mark.parametrize("content, window", [("a", "chunked"), ("a", "sliding"), ("Hello", "chunked")])
+def test_fewer_than_two_tokens(tmp_path, outputs, tokenizer_dir, capsys, content, window):
+    short = tmp_path / "short.txt"
+    short.write_text(content)
+    _assert_user_error(*_main(capsys, _args(TINY, short, outputs, tokenizer_dir, "--window", window)), outputs,
+                       "at least 2")
+
+
+def test_sliding_over_single_token_documents(tmp_path, outputs, tokenizer_dir, capsys):
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text('{"text": "a"}\n{"text": "b"}\n')
+    _assert_user_error(*_main(capsys, _args(TINY, docs, outputs, tokenizer_dir, "--window", "sliding")), outputs,
+                       "no token can be scored", "--bos")
+
+
+# -------------------------------------------------------------------------------- the model
+def test_ctx_beyond_the_model(text, outputs, tokenizer_dir, capsys):
+    _assert_user_error(*_main(capsys, _args(TINY, text, outputs, tokenizer_dir, "--ctx", 257)), outputs,
+                       "--ctx 257 exceeds the model's maximum of 256")
+
+
+@pytest.mark.parametrize("backend", ["auto", "hf"])
+def test_tokenizer_ids_beyond_the_model_vocabulary(checkpoint, text, outputs, tokenizer_dir, capsys, backend):
+    _assert_user_error(*_main(capsys, _args(checkpoint, text, outputs, tokenizer_dir, "--backend", backend)), outputs,
+                       "has 50,257 ids but the model's vocabulary has 1,000")
+
+
+def test_model_directory_without_a_tokenizer(checkpoint, text, outputs, capsys):
+    json_path, npy_path = outputs
+    args = ["eval", "--model", str(checkpoint), "--data", str(text), "--device", "cpu", "--quiet",
+            "--json", str(json_path), "--per-token", str(npy_path)]
+    _assert_user_error(*_main(capsys, args), outputs, "no tokenizer", "--tokenizer")
+
+
+@pytest.mark.parametrize("model, fragment", [
+    ("random:gpt3", "unknown model random:gpt3"),
+    ("no-such-model-anywhere", "unknown model 'no-such-model-anywhere'"),
+    ("no-such-org/no-such-model", "unknown model 'no-such-org/no-such-model'"),
+    ("./no/such/dir", "no such model directory"),
+])
+def test_unknown_model(model, fragment, text, outputs, tokenizer_dir, capsys):
+    _assert_user_error(*_main(capsys, _args(model, text, outputs, tokenizer_dir)), outputs, fragment)
+
+
+def test_model_path_is_a_file(text, outputs, tokenizer_dir, capsys):
+    _assert_user_error(*_main(capsys, _args(text, text, outputs, tokenizer_dir)), outputs, "is a file")
+
+
+@pytest.mark.parametrize("backend", ["auto", "hf"])
+def test_truncated_safetensors(tmp_path, checkpoint, text, outputs, tokenizer_dir, capsys, backend):
+    broken = _copy_checkpoint(checkpoint, tmp_path / "truncated")
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    _assert_user_error(*_main(capsys, _args(broken, text, outputs, tokenizer_dir, "--backend", backend)), outputs,
+                       "corrupt")
+
+
+@pytest.mark.parametrize("backend", ["auto", "hf"])
+def test_garbage_pytorch_model_bin(tmp_path, checkpoint, text, outputs, tokenizer_dir, capsys, backend):
+    broken = _copy_checkpoint(checkpoint, tmp_path / "garbage")
+    (broken / "model.safetensors").unlink()
+    (broken / "pytorch_model.bin").write_bytes(os.urandom(4096))
+    _assert_user_error(*_main(capsys, _args(broken, text, outputs, tokenizer_dir, "--backend", backend)), outputs,
+                       "corrupt")
+
+
+@pytest.mark.parametrize("backend", ["auto", "hf"])
+def test_checkpoint_missing_a_weight(tmp_path, checkpoint, text, outputs, tokenizer_dir, capsys, backend):
+    """transformers would fill the gap with random weights and only warn: that must be an error."""
+    from safetensors.torch import load_file, save_file
+    broken = _copy_checkpoint(checkpoint, tmp_path / "incomplete")
+    state = load_file(broken / "model.safetensors")
+    del state["transformer.h.1.mlp.c_fc.weight"]
+    save_file(state, broken / "model.safetensors")
+    _assert_user_error(*_main(capsys, _args(broken, text, outputs, tokenizer_dir, "--backend", backend)), outputs,
+                       "transformer.h.1.mlp.c_fc.weight")
+
+
+def test_corrupt_config_and_missing_weights(tmp_path, checkpoint, text, outputs, tokenizer_dir, capsys):
+    broken = _copy_checkpoint(checkpoint, tmp_path / "bad-config")
+    (broken / "config.json").write_text("{not json")
+    _assert_user_error(*_main(capsys, _args(broken, text, outputs, tokenizer_dir)), outputs, "config.json")
+    (broken / "config.json").write_bytes((checkpoint / "config.json").read_bytes())
+    (broken / "model.safetensors").unlink()
+    _assert_user_error(*_main(capsys, _args(broken, text, outputs, tokenizer_dir)), outputs,
+                       "no model.safetensors or pytorch_model.bin")
+
+
+# ------------------------------------------------------------------------------ the outputs
+def test_json_in_a_missing_directory(tmp_path, text, tokenizer_dir, capsys):
+    outputs = (tmp_path / "no-such-dir" / "r.json", tmp_path / "t.npy")
+    _assert_user_error(*_main(capsys, _args(TINY, text, outputs, tokenizer_dir)), outputs, "does not exist")
+    assert not (tmp_path / "no-such-dir").exists()
+
+
+def _can_create_in(directory: Path) -> bool:
+    try:
+        (directory / ".fastppl-probe").touch()
+    except OSError:
+        return False
+    (directory / ".fastppl-probe").unlink()
+    return True
+
+
+@pytest.fixture
+def unwritable_dir(tmp_path):
+    """A directory this process cannot create files in: a chmod 555 one, or for root (who writes
+    through permission bits) a pseudo filesystem that refuses everyone."""
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    try:
+        if not _can_create_in(read_only):
+            yield read_only
+            return
+        for candidate in (Path("/sys"), Path("/proc")):
+            if candidate.is_dir() and not _can_create_in(candidate):
+                yield candidate
+                return
+        pytest.skip("no directory here refuses this user's writes")
+    finally:
+        read_only.chmod(0o755)
+
+
+def test_json_in_a_read_only_directory(unwritable_dir, tmp_path, text, tokenizer_dir, capsys):
+    outputs = (unwritable_dir / "r.json", tmp_path / "t.npy")
+    rc, err = _main(capsys, _args(TINY, text, outputs, tokenizer_dir))
+    assert rc == 2 and err.count("\n") == 1 and "cannot create files in" in err and "Traceback" not in err
+    assert not any(p.exists() for p in outputs)
+
+
+def test_per_token_in_a_read_only_directory(unwritable_dir, tmp_path, text, tokenizer_dir, capsys):
+    outputs = (tmp_path / "r.json", unwritable_dir / "t.npy")
+    rc, err = _main(capsys, _args(TINY, text, outputs, tokenizer_dir))
+    assert rc == 2 and err.startswith("fastppl: error: --per-token") and "Traceback" not in err
+    assert not any(p.exists() for p in outputs)
+
+
+def test_json_path_is_a_directory(tmp_path, text, tokenizer_dir, capsys):
+    outputs = (tmp_path, tmp_path / "t.npy")
+    rc, err = _main(capsys, _args(TINY, text, outputs, tokenizer_dir))
+    assert rc == 2 and "is a directory" in err and not (tmp_path / "t.npy").exists()
+
+
+def test_a_failed_write_leaves_no_partial_file(tmp_path):
+    target = tmp_path / "r.json"
+    with pytest.raises(TypeError):
+        write_json(str(target), {"nll": 1.0, "oops": object()})   # fails half-way through json.dump
+    assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------ the options
+@pytest.mark.parametrize("extra, fragment", [
+    (["--batch-size", 0], "--batch-size must be at least 1"),
+    (["--ctx", 1], "--ctx must be at least 2"),
+    (["--stride", 4], "--stride applies to --window sliding only"),
+    (["--bos"], "--bos applies to --window sliding only"),
+    (["--window", "sliding", "--stride", 0], "--stride must be between 1 and --ctx"),
+    (["--window", "sliding", "--ctx", 16, "--stride", 17], "--stride must be between 1 and --ctx (16)"),
+    (["--device", "tpu"], "unknown --device 'tpu'"),
+    (["--loss-chunk-rows", 0], "--loss-chunk-rows must be at least 1"),
+])
+def test_bad_options(extra, fragment, text, outputs, tokenizer_dir, capsys):
+    _assert_user_error(*_main(capsys, _args(TINY, text, outputs, tokenizer_dir, *extra)), outputs, fragment)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_cuda_without_a_gpu(text, outputs, tokenizer_dir, capsys):
+    args = _args(TINY, text, outputs, tokenizer_dir)
+    args[args.index("--device") + 1] = "cuda"
+    _assert_user_error(*_main(capsys, args), outputs, "no CUDA GPU is visible")

@@ -1,0 +1,187 @@
+"""Tokenisation and corpora: nanoGPT's TinyShakespeare token counts, the on-disk token cache, and the
+built-in corpus (local copies, verification, offline errors). The network is never used: urlopen is
+replaced by a function that fails, or serves the local copy, in every test here."""
+import io
+import json
+import shutil
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from fastppl.cli import main
+from fastppl.data import tokenize
+from fastppl.data.corpus import BUILTINS, load_documents, split_text
+from fastppl.data.tokenize import encode_cached, load_tokenizer
+from fastppl.errors import FastpplError
+
+CORPUS = BUILTINS["tinyshakespeare"]
+
+
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch):
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("network disabled in tests")
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A fresh, empty cache directory for this test alone."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("FASTPPL_CACHE_DIR", str(root))
+    monkeypatch.delenv("FASTPPL_DATA_DIR", raising=False)
+    return root
+
+
+@pytest.fixture(scope="module")
+def gpt2(tokenizer_dir):
+    return load_tokenizer(str(tokenizer_dir))
+
+
+# -------------------------------------------------------------------------------- token counts
+def test_tinyshakespeare_token_counts(shakespeare, gpt2):
+    """nanoGPT's published counts: GPT-2 BPE of the 90 % / 10 % character split, no special tokens."""
+    text = shakespeare.read_text(encoding="utf-8")
+    assert len(text.encode("utf-8")) == CORPUS.n_bytes
+    val = load_documents(str(shakespeare), "val")[0].text
+    train = load_documents(str(shakespeare), "train")[0].text
+    assert train + val == text and val == split_text(text, "val")
+    assert len(gpt2.encode(val)) == 36_059
+    assert len(gpt2.encode(train)) == 301_966
+
+
+def test_tokenizer_fields(gpt2):
+    assert gpt2.vocab_size == 50257 and gpt2.bos_id == 50256   # <|endoftext|> stands in for BOS
+    assert gpt2.encode("Hello world").tolist() == [15496, 995]  # no BOS/EOS added
+    assert gpt2.encode("").dtype == np.int64
+
+
+# ------------------------------------------------------------------------------------ the cache
+LONG_TEXT = "ROMEO:\nBut, soft! what light through yonder window breaks?\n" * 80   # over 4,096 characters
+
+
+def _forbid_encoding(monkeypatch):
+    def refuse(self, text):
+        raise AssertionError("tokenised again although the cache holds these ids")
+    monkeypatch.setattr(tokenize.Tokenizer, "encode", refuse)
+
+
+def test_cache_is_used_on_the_second_call(cache, gpt2, monkeypatch):
+    first = encode_cached(gpt2, LONG_TEXT)
+    files = list((cache / "tokens").glob("*.npy"))
+    assert len(files) == 1 and gpt2.fingerprint in files[0].name
+    _forbid_encoding(monkeypatch)
+    second = encode_cached(gpt2, LONG_TEXT)
+    assert second.dtype == np.int64 and np.array_equal(first, second)
+
+
+def test_cache_is_keyed_by_text(cache, gpt2, monkeypatch):
+    encode_cached(gpt2, LONG_TEXT)
+    _forbid_encoding(monkeypatch)
+    with pytest.raises(AssertionError, match="tokenised again"):
+        encode_cached(gpt2, LONG_TEXT + "!")        # another text must be tokenised, not looked up
+
+
+def test_cache_is_keyed_by_tokenizer(cache, gpt2, tokenizer_dir, tmp_path):
+    # the same vocabulary with a prefix space added maps the same text to other ids
+    other_dir = tmp_path / "other-tokenizer"
+    shutil.copytree(tokenizer_dir, other_dir)
+    config = json.loads((other_dir / "tokenizer_config.json").read_text())
+    config["add_prefix_space"] = True
+    (other_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    other = load_tokenizer(str(other_dir))
+    assert other.fingerprint != gpt2.fingerprint
+    ids = encode_cached(gpt2, LONG_TEXT)
+    other_ids = encode_cached(other, LONG_TEXT)
+    assert not np.array_equal(ids, other_ids)          # a cache keyed on the text alone would return ids
+    assert np.array_equal(other_ids, other.encode(LONG_TEXT))
+    assert len(list((cache / "tokens").glob("*.npy"))) == 2
+
+
+def test_damaged_cache_entry_is_recomputed(cache, gpt2):
+    ids = encode_cached(gpt2, LONG_TEXT)
+    [entry] = (cache / "tokens").glob("*.npy")
+    entry.write_bytes(b"not an npy file")
+    assert np.array_equal(encode_cached(gpt2, LONG_TEXT), ids)
+
+
+def test_pipeline_uses_the_cache(cache, tmp_path, tokenizer_dir, monkeypatch):
+    data = tmp_path / "long.txt"
+    data.write_text(LONG_TEXT)
+    args = ["eval", "--model", "random:gpt2-tiny", "--tokenizer", str(tokenizer_dir), "--data", str(data),
+            "--ctx", "128", "--device", "cpu", "--quiet", "--json", str(tmp_path / "r.json")]
+    assert main(args) == 0
+    first = json.loads((tmp_path / "r.json").read_text())
+    _forbid_encoding(monkeypatch)
+    assert main(args) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["nll_sum"] == first["nll_sum"]
+
+
+# ------------------------------------------------------------------------------ built-in corpus
+def test_builtin_from_data_dir(cache, shakespeare):
+    [doc] = load_documents("tinyshakespeare", "val", data_dir=str(shakespeare.parent))
+    assert doc.text == split_text(shakespeare.read_text(), "val") and doc.id == "tinyshakespeare"
+
+
+def test_builtin_from_environment(cache, shakespeare, monkeypatch):
+    monkeypatch.setenv("FASTPPL_DATA_DIR", str(shakespeare.parent))
+    [doc] = load_documents("tinyshakespeare", "all")
+    assert doc.text == shakespeare.read_text()
+
+
+@pytest.mark.parametrize("damage", ["same size, one byte changed", "truncated"])
+def test_builtin_with_wrong_sha_is_rejected(cache, shakespeare, tmp_path, damage):
+    raw = bytearray(shakespeare.read_bytes())
+    if damage == "truncated":
+        raw = raw[:-10]
+    else:
+        raw[1000] ^= 0x01
+    (tmp_path / CORPUS.filename).write_bytes(bytes(raw))
+    with pytest.raises(FastpplError, match="is not the tinyshakespeare corpus"):
+        load_documents("tinyshakespeare", "val", data_dir=str(tmp_path))
+
+
+def test_builtin_data_dir_without_the_file(cache, tmp_path):
+    with pytest.raises(FastpplError, match="no tinyshakespeare.txt in"):
+        load_documents("tinyshakespeare", "val", data_dir=str(tmp_path))
+
+
+def test_builtin_offline_without_a_copy(cache, tokenizer_dir, tmp_path, capsys):
+    with pytest.raises(FastpplError) as e:
+        load_documents("tinyshakespeare", "val")
+    message = str(e.value)
+    assert "\n" not in message and "--data-dir" in message and "FASTPPL_DATA_DIR" in message
+    assert not (cache / "data").exists() or not any((cache / "data").iterdir())   # nothing partial left
+    # through the CLI: one line, exit 2, no report written
+    out = tmp_path / "r.json"
+    rc = main(["eval", "--model", "random:gpt2-tiny", "--tokenizer", str(tokenizer_dir), "--data", "tinyshakespeare",
+               "--device", "cpu", "--quiet", "--json", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("fastppl: error: cannot download") and err.count("\n") == 1
+    assert not out.exists()
+
+
+def _serve(payload: bytes):
+    def urlopen(url, timeout=None):
+        assert url == CORPUS.url
+        return io.BytesIO(payload)
+    return urlopen
+
+
+def test_builtin_download_is_verified_and_cached(cache, shakespeare, monkeypatch):
+    monkeypatch.setattr(urllib.request, "urlopen", _serve(shakespeare.read_bytes()))
+    [doc] = load_documents("tinyshakespeare", "all")
+    assert doc.text == shakespeare.read_text()
+    assert (cache / "data" / CORPUS.filename).stat().st_size == CORPUS.n_bytes
+    # the second time, the verified copy in the cache serves: no download
+    monkeypatch.setattr(urllib.request, "urlopen", _serve(b""))
+    assert load_documents("tinyshakespeare", "all")[0].text == doc.text
+
+
+def test_builtin_download_with_wrong_content_leaves_nothing(cache, monkeypatch):
+    monkeypatch.setattr(urllib.request, "urlopen", _serve(b"<html>captive portal</html>"))
+    with pytest.raises(FastpplError, match="does not match its sha256"):
+        load_documents("tinyshakespeare", "all")
+    assert not any((cache / "data").iterdir())
