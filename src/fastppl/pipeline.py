@@ -16,6 +16,7 @@ from .data.batching import WindowRef, iter_batches
 from .data.corpus import Document, load_documents
 from .data.tokenize import Tokenizer, encode_cached, load_tokenizer
 from .data.windows import chunked_windows, sliding_windows
+from .engine.cached_sliding import choose_kv_cache, score_cached_sliding
 from .engine.precision import resolve_device, resolve_dtype
 from .engine.score import DeviceSums, make_score_fn, score_batches
 from .errors import FastpplError
@@ -37,7 +38,8 @@ class Stream:
 
 
 def default_tokenizer_name(model_spec: str) -> str:
-    return "gpt2" if model_spec.startswith("random:gpt2") else model_spec
+    # random weights have no tokenizer of their own; every preset's vocabulary holds GPT-2's
+    return "gpt2" if model_spec.startswith("random:") else model_spec
 
 
 def plan_windows(config: EvalConfig, streams: list[Stream], ctx: int) -> list[WindowRef]:
@@ -120,15 +122,27 @@ def evaluate(config: EvalConfig) -> dict:
     refs.sort(key=lambda r: -r.window.length)
     batch_size = min(config.batch_size, len(refs))
 
+    use_kv_cache, kv_cache_reason = choose_kv_cache(config.kv_cache, config.window, model)
+
     sums = DeviceSums.zeros(ctx, device, n_tokens if config.per_token else None)
     progress = Progress(n_scored, enabled=not config.quiet)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     scoring_started = time.perf_counter()
-    score_batches(
-        score_fn, iter_batches(refs, [s.ids for s in streams], [s.offset_of_target for s in streams], batch_size, ctx),
-        sums, device, on_batch=lambda b: progress.advance(b.n_scored),
-    )
+    if use_kv_cache:
+        # each window runs over its new tokens only (fastppl.engine.cached_sliding)
+        score_cached_sliding(
+            model, refs, [s.ids for s in streams], [s.offset_of_target for s in streams], ctx,
+            config.stride or max(ctx // 2, 1), batch_size, sums, device, on_step=progress.advance,
+            compile_fn=compile_score_fn if compiled else None, chunk_rows=config.loss_chunk_rows,
+        )
+        tokens_forwarded = n_scored
+    else:
+        score_batches(
+            score_fn, iter_batches(refs, [s.ids for s in streams], [s.offset_of_target for s in streams], batch_size, ctx),
+            sums, device, on_batch=lambda b: progress.advance(b.n_scored),
+        )
+        tokens_forwarded = sum(r.window.length for r in refs)
     nll_sum = float(sums.nll_sum.item())   # the run's one host sync
     scoring_seconds = time.perf_counter() - scoring_started
     progress.close()
@@ -156,6 +170,8 @@ def evaluate(config: EvalConfig) -> dict:
         "window": config.window,
         "dtype": str(dtype).replace("torch.", ""),
         "compile": compile_reason,
+        "kv_cache": kv_cache_reason,
+        "tokens_forwarded": tokens_forwarded,   # token positions run through the model
         "wall_seconds": wall,
         "scoring_seconds": scoring_seconds,
         "tokens_per_second": n_scored / scoring_seconds if scoring_seconds > 0 else float("nan"),

@@ -63,4 +63,6 @@ def summary(result: dict) -> str:
         f"speed       {result['tokens_per_second']:,.0f} tokens/s  ({result['wall_seconds']:.2f} s wall, "
         f"compile {result['compile']}, peak {_bytes(result['peak_memory_bytes'])})",
     ]
+    if result.get("kv_cache", "").startswith("on"):
+        lines.append(f"kv cache    {result['kv_cache']}: {result['tokens_forwarded']:,} token positions run")
     return "\n".join(lines)
