@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import FastpplError
-from .models.kv_cache import CacheStep, remove_kv_cache, setup_kv_cache, supports_kv_cache
+from .models.kv_cache import CacheStep, ensure_kv_cache, supports_kv_cache
 
 CACHE_LEN_MULTIPLE = 64   # cache lengths rounded up to this, so that nearby lengths share a compiled graph
 
@@ -38,7 +38,7 @@ class Sampling:
     temperature: float = 0.0           # 0 = greedy (argmax)
     top_k: Optional[int] = None        # keep the k most likely ids
     top_p: Optional[float] = None      # keep the smallest set of most likely ids whose probability reaches top_p
-    seed: Optional[int] = 0            # reseeds torch's RNG when set (reproducible on one device and setting)
+    seed: Optional[int] = 0            # when sampling, reseeds torch's RNG (reproducible on one device and setting)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -199,44 +199,42 @@ def generate(
     no_eos = -1
     eos = no_eos if eos_id is None else eos_id
     ids_np, pad_np = left_pad(prompts, pad_id=0 if eos_id is None else eos_id)
-    if sampling.seed is not None:
+    if sampling.temperature > 0 and sampling.seed is not None:
         torch.manual_seed(sampling.seed)
 
-    setup_kv_cache(model, B, cache_len)
-    try:
-        started = time.perf_counter()
-        ids = torch.from_numpy(ids_np).to(device)
-        pad = torch.from_numpy(pad_np).to(device)
-        token = prefill(model, ids, pad, cache_len, sampling)
-        finished = token == eos
-        outputs = [token]
-        _synchronize(device)
-        time_to_first_token = time.perf_counter() - started
+    # left attached for the next call of the same shape (fastppl.models.kv_cache.remove_kv_cache frees it)
+    ensure_kv_cache(model, B, cache_len)
+    started = time.perf_counter()
+    ids = torch.from_numpy(ids_np).to(device)
+    pad = torch.from_numpy(pad_np).to(device)
+    token = prefill(model, ids, pad, cache_len, sampling)
+    finished = token == eos
+    outputs = [token]
+    _synchronize(device)
+    time_to_first_token = time.perf_counter() - started
 
-        step_fn = compiled_decode_one_token() if compile else decode_one_token
-        warmup_steps = min(2, max_new_tokens - 1) if compile else 0   # compile + CUDA graph capture
-        input_pos = torch.tensor([P], dtype=torch.int64, device=device)
-        steps, warmup_seconds = 0, 0.0
-        decode_started = time.perf_counter()
-        while steps < max_new_tokens - 1:
-            if compile and device.type == "cuda":
-                torch.compiler.cudagraph_mark_step_begin()
-            token, finished = step_fn(model, token[:, None], input_pos, pad, finished, cache_len, eos,
-                                      sampling.temperature, sampling.top_k, sampling.top_p)
-            token, finished = token.clone(), finished.clone()   # a graph's outputs are overwritten by its next replay
-            input_pos += 1
-            outputs.append(token)
-            steps += 1
-            if steps == warmup_steps:
-                _synchronize(device)
-                warmup_seconds = time.perf_counter() - decode_started
-                decode_started = time.perf_counter()
-            if eos != no_eos and steps % stop_check_every == 0 and bool(finished.all()):
-                break
-        _synchronize(device)
-        decode_seconds = time.perf_counter() - decode_started
-    finally:
-        remove_kv_cache(model)
+    step_fn = compiled_decode_one_token() if compile else decode_one_token
+    warmup_steps = min(2, max_new_tokens - 1) if compile else 0   # compile + CUDA graph capture
+    input_pos = torch.tensor([P], dtype=torch.int64, device=device)
+    steps, warmup_seconds = 0, 0.0
+    decode_started = time.perf_counter()
+    while steps < max_new_tokens - 1:
+        if compile and device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+        token, finished = step_fn(model, token[:, None], input_pos, pad, finished, cache_len, eos,
+                                  sampling.temperature, sampling.top_k, sampling.top_p)
+        token, finished = token.clone(), finished.clone()   # a graph's outputs are overwritten by its next replay
+        input_pos += 1
+        outputs.append(token)
+        steps += 1
+        if steps == warmup_steps:
+            _synchronize(device)
+            warmup_seconds = time.perf_counter() - decode_started
+            decode_started = time.perf_counter()
+        if eos != no_eos and steps % stop_check_every == 0 and bool(finished.all()):
+            break
+    _synchronize(device)
+    decode_seconds = time.perf_counter() - decode_started
 
     new_tokens = torch.stack(outputs, dim=1).cpu().tolist()                   # (B, steps + 1)
     tokens, stopped = [], []
@@ -260,7 +258,7 @@ def benchmark_generate(model: nn.Module, batch_size: int = 1, prompt_length: int
     prompts = torch.randint(0, model.vocab_size, (batch_size, prompt_length), generator=generator).tolist()
     generate(model, prompts, new_tokens, Sampling(), eos_id=None, compile=compile)
     timed = generate(model, prompts, new_tokens, Sampling(), eos_id=None, compile=compile)
-    return dict(batch_size=batch_size, prompt_length=prompt_length, new_tokens=new_tokens, **timed.to_dict())
+    return dict(batch_size=batch_size, prompt_length=prompt_length, max_new_tokens=new_tokens, **timed.to_dict())
 
 
 @dataclass

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import causal_attention
+from .attention import causal_attention, masked_attention
 from .kv_cache import CacheStep
 
 
@@ -48,7 +48,8 @@ class CausalSelfAttention(nn.Module):
         self.n_kv_head, self.head_dim = config.n_head, config.head_dim   # the shape a KV cache needs
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)   # fused q, k, v
         self.proj = nn.Linear(config.n_embd, config.n_embd)
-        self.kv_cache = None      # a KVCache when fastppl.models.kv_cache.setup_kv_cache attached one
+        self.kv_cache = None      # a KVCache once fastppl.models.kv_cache.setup_kv_cache attached one;
+                                  # used only by forwards given a cache_step
 
     def forward(self, x: torch.Tensor, document_ids: Optional[torch.Tensor] = None,
                 cache_step: Optional[CacheStep] = None) -> torch.Tensor:
@@ -56,11 +57,11 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(C, dim=2)
         # (B, T, C) -> (B, nh, T, hs)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        if self.kv_cache is None:
+        if cache_step is None:
             y = causal_attention(q, k, v, document_ids)
         else:
             k, v = self.kv_cache.update(cache_step.slots, k, v)            # (B, nh, L, hs)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache_step.mask)
+            y = masked_attention(q, k, v, cache_step.mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)         # (B, nh, T, hs) -> (B, T, C)
         return self.proj(y)
 

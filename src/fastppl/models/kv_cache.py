@@ -2,11 +2,12 @@
 
     setup_kv_cache(model, batch, max_len)    # every attention layer gets a KVCache of L = max_len slots
     hidden = model(ids, positions, cache_step=CacheStep(slots, mask))
-    remove_kv_cache(model)                   # back to the plain (uncached) forward
+    hidden = model(ids)                      # no cache_step: the plain forward, cache or not
+    remove_kv_cache(model)                   # frees the cache
 
-The model's forward is the same with and without a cache. With one, each attention layer writes the
-keys and values of the T new tokens into the slots named by `cache_step.slots`, then its queries attend
-to all L slots under `cache_step.mask`. Which slot holds which token, and who may see it, is the
+The model's forward is the same with and without a cache. Given a cache_step, each attention layer
+writes the keys and values of the T new tokens into the slots named by `cache_step.slots`, then its
+queries attend to all L slots under `cache_step.mask`. Which slot holds which token, and who may see it, is the
 caller's business (generation: slot = step; cached sliding windows: a ring buffer), so the cache is
 nothing but two tensors and a scatter. Shapes never change, which is what CUDA graphs need.
 """
@@ -72,6 +73,23 @@ def setup_kv_cache(model: nn.Module, batch: int, max_len: int, dtype: Optional[t
     device = device or weight.device
     for layer in attention_layers(model):
         layer.kv_cache = KVCache(batch, layer.n_kv_head, max_len, layer.head_dim, dtype, device)
+    return model
+
+
+def ensure_kv_cache(model: nn.Module, batch: int, max_len: int) -> nn.Module:
+    """setup_kv_cache unless the attached caches already have this shape. Keeping the same tensors
+    keeps a compiled decode step's guards and CUDA graph addresses valid from call to call; stale
+    contents are harmless, since masks hide every slot a step has not written."""
+    weight = next(model.parameters())
+    shape = None
+    for layer in attention_layers(model):
+        cache = layer.kv_cache
+        if cache is None or cache.k.dtype != weight.dtype or cache.k.device != weight.device:
+            shape = None
+            break
+        shape = (cache.k.shape[0], cache.k.shape[2])
+    if shape != (batch, max_len):
+        setup_kv_cache(model, batch, max_len)
     return model
 
 

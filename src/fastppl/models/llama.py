@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import causal_attention
+from .attention import causal_attention, masked_attention
 from .kv_cache import CacheStep
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -124,7 +124,8 @@ class Attention(nn.Module):
         self.split = (q_dim, kv_dim, kv_dim)
         self.qkv = nn.Linear(config.hidden_size, q_dim + 2 * kv_dim, bias=config.qkv_bias)   # fused q, k, v
         self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=config.o_bias)
-        self.kv_cache = None      # a KVCache when fastppl.models.kv_cache.setup_kv_cache attached one
+        self.kv_cache = None      # a KVCache once fastppl.models.kv_cache.setup_kv_cache attached one;
+                                  # used only by forwards given a cache_step
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -136,7 +137,7 @@ class Attention(nn.Module):
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)    # (B, nkv, T, hs)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)    # (B, nkv, T, hs)
         q = apply_rotary(q, *rope)
-        if self.kv_cache is None:
+        if cache_step is None:
             y = causal_attention(q, apply_rotary(k, *rope), v, document_ids)
         else:
             if cache_step.key_rope is None:
@@ -144,8 +145,7 @@ class Attention(nn.Module):
             k, v = self.kv_cache.update(cache_step.slots, k, v)            # (B, nkv, L, hs)
             if cache_step.key_rope is not None:
                 k = apply_rotary(k, *cache_step.key_rope)   # cached unrotated: rotated here at the step's positions
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache_step.mask,
-                                               enable_gqa=self.n_kv_head != self.n_head)
+            y = masked_attention(q, k, v, cache_step.mask)
         y = y.transpose(1, 2).contiguous().view(B, T, -1)                  # (B, nh, T, hs) -> (B, T, nh * hs)
         return self.o_proj(y)
 
