@@ -148,4 +148,5 @@ def test_cli_kv_cache_on_one_layer_model_reports_it(tmp_path, tokenizer_dir):
     off, on = results["off"], results["on"]
     assert on["kv_cache"].startswith("on") and off["kv_cache"].startswith("off")
     assert on["tokens_scored"] == off["tokens_scored"] == on["tokens_forwarded"] < off["tokens_forwarded"]
+    assert on["tokens_forwarded_without_cache"] == off["tokens_forwarded"]
     assert on["nll"] == pytest.approx(off["nll"], rel=1e-6)

@@ -138,10 +138,8 @@ def evaluate(config: EvalConfig) -> dict:
         )
         tokens_forwarded = n_scored
     else:
-        score_batches(
-            score_fn, iter_batches(refs, [s.ids for s in streams], [s.offset_of_target for s in streams], batch_size, ctx),
-            sums, device, on_batch=lambda b: progress.advance(b.n_scored),
-        )
+        batches = iter_batches(refs, [s.ids for s in streams], [s.offset_of_target for s in streams], batch_size, ctx)
+        score_batches(score_fn, batches, sums, device, on_batch=lambda b: progress.advance(b.n_scored))
         tokens_forwarded = sum(r.window.length for r in refs)
     nll_sum = float(sums.nll_sum.item())   # the run's one host sync
     scoring_seconds = time.perf_counter() - scoring_started
@@ -172,6 +170,7 @@ def evaluate(config: EvalConfig) -> dict:
         "compile": compile_reason,
         "kv_cache": kv_cache_reason,
         "tokens_forwarded": tokens_forwarded,   # token positions run through the model
+        "tokens_forwarded_without_cache": sum(r.window.length for r in refs),
         "wall_seconds": wall,
         "scoring_seconds": scoring_seconds,
         "tokens_per_second": n_scored / scoring_seconds if scoring_seconds > 0 else float("nan"),

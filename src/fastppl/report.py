@@ -64,5 +64,7 @@ def summary(result: dict) -> str:
         f"compile {result['compile']}, peak {_bytes(result['peak_memory_bytes'])})",
     ]
     if result.get("kv_cache", "").startswith("on"):
-        lines.append(f"kv cache    {result['kv_cache']}: {result['tokens_forwarded']:,} token positions run")
+        run, without = result["tokens_forwarded"], result["tokens_forwarded_without_cache"]
+        lines.append(f"kv cache    {result['kv_cache']}: {run:,} token positions run instead of {without:,} "
+                     f"({without / max(run, 1):.1f}x fewer)")
     return "\n".join(lines)

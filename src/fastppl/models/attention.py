@@ -24,9 +24,9 @@ def causal_attention(
 
 
 def masked_attention(
-    q: torch.Tensor,               # (B, nh, T, hs)
-    k: torch.Tensor, v: torch.Tensor,   # (B, nkv, L, hs), nh a multiple of nkv (a KV cache's whole length)
-    mask: torch.Tensor,            # (B, 1, T, L) bool: True where the query may attend
+    q: torch.Tensor,                    # (B, nh, T, hs)
+    k: torch.Tensor, v: torch.Tensor,   # (B, nkv, L, hs): a whole KV cache; nh is a multiple of nkv
+    mask: torch.Tensor,                 # (B, 1, T, L) bool: True where the query may attend
 ) -> torch.Tensor:
     """(B, nh, T, hs) attention under an explicit mask (the KV-cache path). With grouped-query attention
     the g = nh / nkv query heads that share a key head are stacked along the query axis, so that the

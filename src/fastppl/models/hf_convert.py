@@ -142,12 +142,12 @@ def _llama_rope(hf_config: dict) -> dict:
 def llama_unsupported(hf_config: dict) -> Optional[str]:
     """Why the native Llama cannot run this config (the HF backend then does), or None."""
     from .llama import ROPE_TYPES
-    rope_type = _llama_rope(hf_config)["rope_type"]
-    if rope_type not in ROPE_TYPES:
-        return f"RoPE type {rope_type!r} (native: {', '.join(ROPE_TYPES)})"
+    rope = _llama_rope(hf_config)
+    if rope["rope_type"] not in ROPE_TYPES:
+        return f"RoPE type {rope['rope_type']!r} (native: {', '.join(ROPE_TYPES)})"
     if hf_config.get("hidden_act", "silu") != "silu":
         return f"activation {hf_config['hidden_act']!r} (native: silu)"
-    if hf_config.get("partial_rotary_factor", 1.0) != 1.0 or _llama_rope(hf_config).get("partial_rotary_factor", 1.0) != 1.0:
+    if rope.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0)) != 1.0:
         return "partial rotary embeddings"
     return None
 

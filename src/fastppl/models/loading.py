@@ -48,7 +48,7 @@ def native_to_hf(native: nn.Module) -> nn.Module:
         from .hf_convert import llama_state_dict_to_hf
         hf_dict = llama_config_to_hf(native.config)
         hf_config = AutoConfig.for_model(**hf_dict)
-        hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        hf_model = AutoModelForCausalLM.from_config(hf_config)
         state = llama_state_dict_to_hf(native)
     else:
         from transformers import GPT2Config as HFGPT2Config, GPT2LMHeadModel
