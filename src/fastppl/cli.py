@@ -48,6 +48,9 @@ def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
                    help="per-token loss: chunked projection, or the fused Triton kernel (CUDA); auto = fused on CUDA")
     p.add_argument("--loss-chunk-rows", type=int, default=8192,
                    help="chunked loss: rows of the output projection computed at once (memory: rows x vocab x 4 bytes)")
+    p.add_argument("--kv-cache", default="auto", choices=["auto", "on", "off"],
+                   help="sliding, rotary models: reuse cached keys/values (faster, carries context from before "
+                        "the window; see README); auto = off")
     p.add_argument("--seed", type=int, default=0, help="seed of random:<preset> weights")
     p.add_argument("--json", help="write the full report here")
     p.add_argument("--per-token", help="write per-token NLL here (.npy float32, NaN where unscored)")
@@ -60,7 +63,8 @@ def _config_from_args(args: argparse.Namespace):
         model=args.model, data=args.data, tokenizer=args.tokenizer, split=args.split,
         text_field=args.text_field, data_dir=args.data_dir, errors=args.errors, window=args.window,
         ctx=args.ctx, stride=args.stride, bos=args.bos, batch_size=args.batch_size, device=args.device,
-        dtype=args.dtype, backend=args.backend, compile=args.compile, loss=args.loss, loss_chunk_rows=args.loss_chunk_rows,
+        dtype=args.dtype, backend=args.backend, compile=args.compile, loss=args.loss, kv_cache=args.kv_cache,
+        loss_chunk_rows=args.loss_chunk_rows,
         seed=args.seed, per_token=args.per_token, quiet=args.quiet,
     )
 
@@ -117,6 +121,44 @@ def _relaunch(args: argparse.Namespace) -> int:
     return relaunch_under_torchrun(args.nproc, args.argv)
 
 
+
+def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="HF checkpoint directory, hub id, or random:<preset>")
+    p.add_argument("--tokenizer", help="tokenizer directory or hub id (default: the model's)")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt; repeatable (prompts run as one batch)")
+    p.add_argument("--prompts", help="file of prompts, one per line (\\n inside a line is a newline)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, help="sample from the k most likely tokens")
+    p.add_argument("--top-p", type=float, help="sample from the smallest set of tokens whose probability reaches p")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    p.add_argument("--backend", default="auto", choices=["auto", "native"])
+    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                   help="decode step under torch.compile + CUDA graphs (auto: on CUDA)")
+    p.add_argument("--json", help="write completions and timings here")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from .generate import GenerateConfig, Sampling, generation_summary, read_prompts, run_generate as generate
+    from .report import check_writable, write_json
+
+    if args.json:
+        check_writable(args.json, "--json")
+    prompts = list(args.prompt) + (read_prompts(args.prompts) if args.prompts else [])
+    config = GenerateConfig(
+        model=args.model, prompts=prompts, max_new_tokens=args.max_new_tokens, tokenizer=args.tokenizer,
+        sampling=Sampling(args.temperature, args.top_k, args.top_p, args.seed), device=args.device,
+        dtype=args.dtype, backend=args.backend, compile=args.compile,
+    )
+    result = generate(config)
+    if args.json:
+        write_json(args.json, result)
+    print(generation_summary(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastppl", description="Exact perplexity of causal language models, fast.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -141,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser.add_argument("--json", help="write the report here")
     bench_parser.add_argument("--quiet", action="store_true")
     bench_parser.set_defaults(run=run_bench)
+
+    generate_parser = sub.add_parser("generate", help="continue prompts with a native model and a static KV cache")
+    _add_generate_arguments(generate_parser)
+    generate_parser.set_defaults(run=run_generate)
     return parser
 
 

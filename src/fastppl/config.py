@@ -42,6 +42,7 @@ class EvalConfig:
     compile: str = "auto"               # auto | on | off
     loss: str = "auto"                  # auto | chunked | fused (Triton, CUDA)
     loss_chunk_rows: int = 8192         # chunked: rows of the output projection computed at once
+    kv_cache: str = "auto"              # sliding windows on rotary models: reuse keys/values (on) or not; auto = off
     seed: int = 0                       # seeds random:<preset> weights
     per_token: Optional[str] = None     # .npy of per-token NLL
     quiet: bool = False
@@ -59,12 +60,16 @@ class EvalConfig:
             raise FastpplError(f"unknown --errors {self.errors!r}; use strict or replace")
         if self.compile not in ("auto", "on", "off"):
             raise FastpplError(f"unknown --compile {self.compile!r}; use auto, on or off")
+        if self.kv_cache not in ("auto", "on", "off"):
+            raise FastpplError(f"unknown --kv-cache {self.kv_cache!r}; use auto, on or off")
         if self.batch_size != "auto" and (not isinstance(self.batch_size, int) or self.batch_size < 1):
             raise FastpplError(f"--batch-size must be at least 1, got {self.batch_size}")
         if self.ctx is not None and self.ctx < 2:
             raise FastpplError(f"--ctx must be at least 2, got {self.ctx}")
         if self.stride is not None and self.window != "sliding":
             raise FastpplError("--stride applies to --window sliding only")
+        if self.kv_cache == "on" and self.window != "sliding":
+            raise FastpplError("--kv-cache on applies to --window sliding only (chunked windows share no tokens)")
         if self.bos and self.window != "sliding":
             raise FastpplError("--bos applies to --window sliding only (chunked windows always start with BOS)")
         if self.loss not in ("auto", "chunked", "fused"):

@@ -20,6 +20,7 @@ from .data.corpus import Document, load_documents
 from .data.tokenize import Tokenizer, encode_cached, load_tokenizer
 from .data.windows import chunked_windows, sliding_windows
 from .distributed import init_distributed, shard, stop_all_on_failure
+from .engine.cached_sliding import choose_kv_cache, score_cached_sliding
 from .engine.precision import resolve_device, resolve_dtype
 from .engine.fused_loss import fused_loss_available
 from .engine.score import DeviceSums, make_score_fn, score_batches, score_with_backoff
@@ -42,7 +43,8 @@ class Stream:
 
 
 def default_tokenizer_name(model_spec: str) -> str:
-    return "gpt2" if model_spec.startswith("random:gpt2") else model_spec
+    # random weights have no tokenizer of their own; every preset's vocabulary holds GPT-2's
+    return "gpt2" if model_spec.startswith("random:") else model_spec
 
 
 def plan_windows(config: EvalConfig, streams: list[Stream], ctx: int) -> list[WindowRef]:
@@ -171,6 +173,8 @@ def evaluate(config: EvalConfig) -> dict:
     else:
         batch_size = min(config.batch_size, len(refs))
 
+    use_kv_cache, kv_cache_reason = choose_kv_cache(config.kv_cache, config.window, model)
+
     sums = DeviceSums.zeros(ctx, device, n_tokens if config.per_token else None)
     progress = Progress(n_scored, enabled=not config.quiet and (dist is None or dist.is_main))
     on_batch = lambda b: progress.advance(b.n_scored)  # noqa: E731
@@ -181,9 +185,21 @@ def evaluate(config: EvalConfig) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     scoring_started = time.perf_counter()
-    batch_size = score_with_backoff(
-        score_fn, batch_of, len(refs_here), batch_size, sums, device, on_batch=on_batch,
-    )
+    if use_kv_cache:
+        if dist:
+            raise FastpplError("--kv-cache on runs in one process only; drop it or run without torchrun")
+        # each window runs over its new tokens only (fastppl.engine.cached_sliding)
+        score_cached_sliding(
+            model, refs, stream_ids, target_offsets, ctx,
+            config.stride or max(ctx // 2, 1), batch_size, sums, device, on_step=progress.advance,
+            compile_fn=compile_score_fn if compiled else None, chunk_rows=config.loss_chunk_rows,
+        )
+        tokens_forwarded = n_scored
+    else:
+        batch_size = score_with_backoff(
+            score_fn, batch_of, len(refs_here), batch_size, sums, device, on_batch=on_batch,
+        )
+        tokens_forwarded = sum(r.window.length for r in refs)
     if dist:
         dist.all_reduce_sums(sums, n_scored)
     nll_sum = float(sums.nll_sum.item())   # the run's one host sync
@@ -216,6 +232,9 @@ def evaluate(config: EvalConfig) -> dict:
         "compile": compile_reason,
         "loss": loss,
         "batch_size": batch_size,
+        "kv_cache": kv_cache_reason,
+        "tokens_forwarded": tokens_forwarded,   # token positions run through the model
+        "tokens_forwarded_without_cache": sum(r.window.length for r in refs),
         "wall_seconds": wall,
         "scoring_seconds": scoring_seconds,
         "stage_seconds": timings,

@@ -81,4 +81,8 @@ def summary(result: dict) -> str:
         f"speed       {result['tokens_per_second']:,.0f} tokens/s  ({result['wall_seconds']:.2f} s wall, "
         f"compile {result['compile']}, peak {_bytes(result['peak_memory_bytes'])})",
     ]
+    if result.get("kv_cache", "").startswith("on"):
+        run, without = result["tokens_forwarded"], result["tokens_forwarded_without_cache"]
+        lines.append(f"kv cache    {result['kv_cache']}: {run:,} token positions run instead of {without:,} "
+                     f"({without / max(run, 1):.1f}x fewer)")
     return "\n".join(lines)

@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import causal_attention
+from .attention import causal_attention, masked_attention
+from .kv_cache import CacheStep
 
 
 @dataclass
@@ -44,15 +45,23 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPT2Config):
         super().__init__()
         self.n_head = config.n_head
+        self.n_kv_head, self.head_dim = config.n_head, config.head_dim   # the shape a KV cache needs
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)   # fused q, k, v
         self.proj = nn.Linear(config.n_embd, config.n_embd)
+        self.kv_cache = None      # a KVCache once fastppl.models.kv_cache.setup_kv_cache attached one;
+                                  # used only by forwards given a cache_step
 
-    def forward(self, x: torch.Tensor, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, document_ids: Optional[torch.Tensor] = None,
+                cache_step: Optional[CacheStep] = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         # (B, T, C) -> (B, nh, T, hs)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = causal_attention(q, k, v, document_ids)
+        if cache_step is None:
+            y = causal_attention(q, k, v, document_ids)
+        else:
+            k, v = self.kv_cache.update(cache_step.slots, k, v)            # (B, nh, L, hs)
+            y = masked_attention(q, k, v, cache_step.mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)         # (B, nh, T, hs) -> (B, T, C)
         return self.proj(y)
 
@@ -75,8 +84,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), document_ids)
+    def forward(self, x: torch.Tensor, document_ids: Optional[torch.Tensor] = None,
+                cache_step: Optional[CacheStep] = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), document_ids, cache_step)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -113,14 +123,15 @@ class GPT2(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-        document_ids: Optional[torch.Tensor] = None,
+        document_ids: Optional[torch.Tensor] = None, cache_step: Optional[CacheStep] = None,
     ) -> torch.Tensor:
         """(B, T) token ids -> (B, T, C) final hidden states (after ln_f). position_ids (T,) or (B, T)
-        and document_ids (B, T) serve packed rows: positions restart and attention stops at each document."""
+        and document_ids (B, T) serve packed rows: positions restart and attention stops at each document.
+        cache_step is set when a KV cache is attached (fastppl.models.kv_cache)."""
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device)
         x = self.wte(input_ids) + self.wpe(position_ids)
         for block in self.blocks:
-            x = block(x, document_ids)
+            x = block(x, document_ids, cache_step)
         return self.ln_f(x)

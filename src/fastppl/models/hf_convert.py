@@ -1,12 +1,15 @@
-"""Hugging Face GPT-2 checkpoint <-> native GPT2: a name map, with asserted key and shape checks."""
+"""Hugging Face checkpoints <-> native models (GPT-2, the Llama family): name maps, with asserted key
+and shape checks."""
 from __future__ import annotations
 
 import re
+from typing import Optional
 
 import torch
 
 from ..errors import FastpplError
 from .gpt2 import GPT2, GPT2Config
+from .llama import Llama, LlamaConfig
 
 # native name pattern -> HF name pattern ({} is the layer index)
 GPT2_NAME_MAP = {
@@ -112,4 +115,163 @@ def gpt2_state_dict_to_hf(model: GPT2) -> dict[str, torch.Tensor]:
         tensor = params[native].detach()
         out[hf] = (tensor.t() if _CONV1D.search(hf) else tensor).contiguous().clone()
     out["lm_head.weight"] = out["transformer.wte.weight"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Llama family (Llama 2/3, Qwen2, Mistral): one name map; q/k/v and gate/up are concatenated (dim 0)
+# into the native fused matrices, in the order listed.
+
+LLAMA_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+# native name pattern -> HF name patterns ({} is the layer index)
+LLAMA_NAME_MAP = {
+    "embed.weight": ["model.embed_tokens.weight"],
+    "norm.weight": ["model.norm.weight"],
+    "lm_head.weight": ["lm_head.weight"],                      # untied checkpoints only
+    "blocks.{}.attn_norm.weight": ["model.layers.{}.input_layernorm.weight"],
+    "blocks.{}.attn.qkv.weight": ["model.layers.{}.self_attn.%s_proj.weight" % p for p in "qkv"],
+    "blocks.{}.attn.qkv.bias": ["model.layers.{}.self_attn.%s_proj.bias" % p for p in "qkv"],
+    "blocks.{}.attn.o_proj.weight": ["model.layers.{}.self_attn.o_proj.weight"],
+    "blocks.{}.attn.o_proj.bias": ["model.layers.{}.self_attn.o_proj.bias"],
+    "blocks.{}.mlp_norm.weight": ["model.layers.{}.post_attention_layernorm.weight"],
+    "blocks.{}.mlp.gate_up.weight": ["model.layers.{}.mlp.gate_proj.weight", "model.layers.{}.mlp.up_proj.weight"],
+    "blocks.{}.mlp.gate_up.bias": ["model.layers.{}.mlp.gate_proj.bias", "model.layers.{}.mlp.up_proj.bias"],
+    "blocks.{}.mlp.down_proj.weight": ["model.layers.{}.mlp.down_proj.weight"],
+    "blocks.{}.mlp.down_proj.bias": ["model.layers.{}.mlp.down_proj.bias"],
+}
+_LAYER = re.compile(r"^blocks\.(\d+)\.")
+
+
+def _llama_rope(hf_config: dict) -> dict:
+    """The RoPE settings from either spelling: transformers 5's rope_parameters, or the older
+    rope_theta + rope_scaling (whose type key was once "type")."""
+    rope = dict(hf_config.get("rope_parameters") or {})
+    if not rope:
+        rope = dict(hf_config.get("rope_scaling") or {})
+        rope.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
+    rope.setdefault("rope_type", rope.pop("type", "default"))
+    return rope
+
+
+def llama_unsupported(hf_config: dict) -> Optional[str]:
+    """Why the native Llama cannot run this config (the HF backend then does), or None."""
+    from .llama import ROPE_TYPES
+    rope = _llama_rope(hf_config)
+    if rope["rope_type"] not in ROPE_TYPES:
+        return f"RoPE type {rope['rope_type']!r} (native: {', '.join(ROPE_TYPES)})"
+    if hf_config.get("hidden_act", "silu") != "silu":
+        return f"activation {hf_config['hidden_act']!r} (native: silu)"
+    if rope.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0)) != 1.0:
+        return "partial rotary embeddings"
+    return None
+
+
+def llama_config_from_hf(hf_config: dict) -> LlamaConfig:
+    model_type = hf_config["model_type"]
+    rope = _llama_rope(hf_config)
+    max_positions = hf_config.get("max_position_embeddings", 2048)
+    # sliding-window attention equals full causal attention on windows no longer than the window,
+    # so capping the context at it keeps the native (full-attention) model exact
+    uses_window = model_type == "mistral" or hf_config.get("use_sliding_window", False)
+    if uses_window and hf_config.get("sliding_window"):
+        max_positions = min(max_positions, hf_config["sliding_window"])
+    if model_type == "qwen2":
+        qkv_bias, o_bias = True, False                      # Qwen2 always biases q, k, v (not o)
+    else:
+        qkv_bias = o_bias = bool(hf_config.get("attention_bias", False))
+    return LlamaConfig(
+        vocab_size=hf_config["vocab_size"],
+        max_positions=max_positions,
+        hidden_size=hf_config["hidden_size"],
+        intermediate_size=hf_config["intermediate_size"],
+        n_layer=hf_config["num_hidden_layers"],
+        n_head=hf_config["num_attention_heads"],
+        n_kv_head=hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"],
+        head_dim=hf_config.get("head_dim"),
+        rms_norm_eps=hf_config.get("rms_norm_eps", 1e-6),
+        rope_theta=rope["rope_theta"],
+        rope_type=rope["rope_type"],
+        rope_factor=rope.get("factor", 1.0),
+        rope_low_freq_factor=rope.get("low_freq_factor", 1.0),
+        rope_high_freq_factor=rope.get("high_freq_factor", 4.0),
+        rope_original_max_positions=rope.get("original_max_position_embeddings", max_positions),
+        tie_word_embeddings=hf_config.get("tie_word_embeddings", False),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=bool(hf_config.get("mlp_bias", False)),
+    )
+
+
+def llama_config_to_hf(config: LlamaConfig) -> dict:
+    """An HF config.json for the native config: Qwen2 when only q/k/v are biased, else Llama."""
+    assert not (config.o_bias and not config.qkv_bias), "no HF architecture biases o but not q/k/v"
+    model_type = "qwen2" if config.qkv_bias and not config.o_bias else "llama"
+    hf = dict(
+        model_type=model_type, architectures=["Qwen2ForCausalLM" if model_type == "qwen2" else "LlamaForCausalLM"],
+        vocab_size=config.vocab_size, max_position_embeddings=config.max_positions,
+        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
+        num_key_value_heads=config.n_kv_head, head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
+        hidden_act="silu", tie_word_embeddings=config.tie_word_embeddings, mlp_bias=config.mlp_bias,
+        rope_theta=config.rope_theta, bos_token_id=50256, eos_token_id=50256,
+    )
+    if model_type == "llama":
+        hf["attention_bias"] = config.qkv_bias
+    if config.rope_type == "linear":
+        hf["rope_scaling"] = dict(rope_type="linear", factor=config.rope_factor)
+    elif config.rope_type == "llama3":
+        hf["rope_scaling"] = dict(
+            rope_type="llama3", factor=config.rope_factor, low_freq_factor=config.rope_low_freq_factor,
+            high_freq_factor=config.rope_high_freq_factor,
+            original_max_position_embeddings=config.rope_original_max_positions)
+    return hf
+
+
+def _llama_hf_names(native: str) -> list[str]:
+    match = _LAYER.match(native)
+    pattern = _LAYER.sub("blocks.{}.", native) if match else native
+    assert pattern in LLAMA_NAME_MAP, f"no HF name for native parameter {native}"
+    return [hf.format(match.group(1)) if match else hf for hf in LLAMA_NAME_MAP[pattern]]
+
+
+def load_hf_llama_state_dict(model: Llama, hf_state: dict[str, torch.Tensor], source: str) -> None:
+    """Copy an HF Llama/Qwen2/Mistral state dict into model (checks every key and shape)."""
+    # some checkpoints drop the "model." prefix
+    hf_state = {(k if k.startswith(("model.", "lm_head.")) else "model." + k): v for k, v in hf_state.items()}
+    native_params = dict(model.named_parameters())        # a tied lm_head appears once, as embed.weight
+    names = {native: _llama_hf_names(native) for native in native_params}
+    missing = [hf for hf_names in names.values() for hf in hf_names if hf not in hf_state]
+    if missing:
+        raise FastpplError(
+            f"{source}: checkpoint lacks {len(missing)} weights that config.json implies (first: {missing[0]}); "
+            "the file is incomplete or its config does not match it"
+        )
+    with torch.no_grad():
+        for native, hf_names in names.items():
+            tensor = torch.cat([hf_state[hf] for hf in hf_names]) if len(hf_names) > 1 else hf_state[hf_names[0]]
+            target = native_params[native]
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise FastpplError(
+                    f"{source}: {' + '.join(hf_names)} has shape {tuple(tensor.shape)}, config.json implies "
+                    f"{tuple(target.shape)}; the checkpoint does not match its config"
+                )
+            target.copy_(tensor)
+
+
+def llama_state_dict_to_hf(model: Llama) -> dict[str, torch.Tensor]:
+    """Native weights as an HF LlamaForCausalLM / Qwen2ForCausalLM state dict (fused matrices split)."""
+    out = {}
+    for native, param in model.named_parameters():
+        hf_names = _llama_hf_names(native)
+        tensor = param.detach()
+        if native.endswith(("qkv.weight", "qkv.bias")):
+            c = model.config
+            pieces = tensor.split([c.n_head * c.head_dim, c.n_kv_head * c.head_dim, c.n_kv_head * c.head_dim])
+        else:
+            pieces = tensor.chunk(len(hf_names))
+        for hf, piece in zip(hf_names, pieces):
+            out[hf] = piece.contiguous().clone()
+    if model.config.tie_word_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out

@@ -11,9 +11,12 @@ import torch.nn as nn
 from ..errors import FastpplError
 from .gpt2 import GPT2, PRESETS
 from .hf_backend import HFCausalLM
-from .hf_convert import gpt2_config_from_hf, gpt2_config_to_hf, gpt2_native_gaps, load_hf_gpt2_state_dict
+from .hf_convert import (LLAMA_MODEL_TYPES, gpt2_config_from_hf, gpt2_config_to_hf, gpt2_native_gaps,
+                         llama_config_from_hf, llama_config_to_hf, llama_unsupported, load_hf_gpt2_state_dict,
+                         load_hf_llama_state_dict)
+from .llama import PRESETS as LLAMA_PRESETS, Llama
 
-NATIVE_MODEL_TYPES = ("gpt2",)
+NATIVE_MODEL_TYPES = ("gpt2",) + LLAMA_MODEL_TYPES
 RANDOM_PREFIX = "random:"
 
 
@@ -28,6 +31,39 @@ def random_gpt2(preset: str, seed: int = 0, device: torch.device | str = "cpu") 
         model = GPT2(PRESETS[preset])
     model.init_weights(torch.Generator(device=device).manual_seed(seed))
     return model
+
+
+def random_native(preset: str, seed: int = 0, device: torch.device | str = "cpu") -> nn.Module:
+    """random:<preset> of any native architecture, with seeded weights drawn on `device`."""
+    if preset in LLAMA_PRESETS:
+        with torch.device(device):
+            model = Llama(LLAMA_PRESETS[preset])
+        model.init_weights(torch.Generator(device=device).manual_seed(seed))
+        return model
+    if preset not in PRESETS:
+        raise FastpplError(f"unknown model random:{preset}; use one of "
+                           f"{', '.join(RANDOM_PREFIX + p for p in (*PRESETS, *LLAMA_PRESETS))}")
+    return random_gpt2(preset, seed, device)
+
+
+def native_to_hf(native: nn.Module) -> nn.Module:
+    """The transformers model with the same weights as a native one (for --backend hf and for tests)."""
+    if isinstance(native, Llama):
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from .hf_convert import llama_state_dict_to_hf
+        hf_dict = llama_config_to_hf(native.config)
+        hf_config = AutoConfig.for_model(**hf_dict)
+        hf_model = AutoModelForCausalLM.from_config(hf_config)
+        state = llama_state_dict_to_hf(native)
+    else:
+        from transformers import GPT2Config as HFGPT2Config, GPT2LMHeadModel
+        from .hf_convert import gpt2_state_dict_to_hf
+        hf_model = GPT2LMHeadModel(HFGPT2Config(**gpt2_config_to_hf(native.config)))
+        state = gpt2_state_dict_to_hf(native)
+    missing, unexpected = hf_model.load_state_dict(state, strict=False)
+    assert not unexpected, f"weights transformers does not know: {unexpected[:3]}"
+    assert all(k.endswith((".attn.bias", ".attn.masked_bias")) for k in missing), f"not loaded: {missing[:3]}"
+    return hf_model
 
 
 def resolve_checkpoint_dir(spec: str) -> Path:
@@ -122,30 +158,26 @@ def load_model(spec: str, backend: str = "auto", dtype: torch.dtype = torch.floa
     """A model in eval mode with the engine's interface (hidden states + lm_head). Random weights are
     drawn on `device`; checkpoints are read on the CPU (the caller moves the model)."""
     if spec.startswith(RANDOM_PREFIX):
-        native = random_gpt2(spec[len(RANDOM_PREFIX):], seed, device if backend != "hf" else "cpu")
-        if backend == "hf":
-            from transformers import GPT2Config as HFGPT2Config, GPT2LMHeadModel
-            from .hf_convert import gpt2_state_dict_to_hf
-            hf_model = GPT2LMHeadModel(HFGPT2Config(**gpt2_config_to_hf(native.config)))
-            hf_model.load_state_dict(gpt2_state_dict_to_hf(native), strict=False)
-            model: nn.Module = HFCausalLM(hf_model)
-        else:
-            model = native
+        native = random_native(spec[len(RANDOM_PREFIX):], seed, device if backend != "hf" else "cpu")
+        model: nn.Module = HFCausalLM(native_to_hf(native)) if backend == "hf" else native
         return model.to(dtype).eval()
 
     directory = resolve_checkpoint_dir(spec)
     hf_config = _read_config(directory)
     model_type = hf_config.get("model_type")
-    if backend == "native" and model_type not in NATIVE_MODEL_TYPES:
+    unsupported = llama_unsupported(hf_config) if model_type in LLAMA_MODEL_TYPES else None
+    if backend == "native" and (model_type not in NATIVE_MODEL_TYPES or unsupported):
         raise FastpplError(
             f"{spec}: model_type {model_type!r} has no native implementation "
-            f"({', '.join(NATIVE_MODEL_TYPES)}); use --backend hf"
+            f"({unsupported or ', '.join(NATIVE_MODEL_TYPES)}); use --backend hf"
         )
     gaps = gpt2_native_gaps(hf_config) if model_type == "gpt2" else []
     if backend == "native" and gaps:
         raise FastpplError(f"{spec}: the native GPT-2 does not implement {', '.join(gaps)}; use --backend hf")
-    if backend == "hf" or model_type not in NATIVE_MODEL_TYPES or gaps:
+    if backend == "hf" or model_type not in NATIVE_MODEL_TYPES or unsupported or gaps:
         return _load_hf(directory, dtype).eval()
+    if model_type in LLAMA_MODEL_TYPES:
+        return _load_native_llama(directory, hf_config, dtype)
     try:
         config = gpt2_config_from_hf(hf_config)
     except KeyError as e:
@@ -155,6 +187,20 @@ def load_model(spec: str, backend: str = "auto", dtype: torch.dtype = torch.floa
     model = model.to_empty(device="cpu")
     model.lm_head.weight = model.wte.weight  # to_empty unties; tie again
     load_hf_gpt2_state_dict(model, read_state_dict(directory), str(directory))
+    return model.to(dtype).eval()
+
+
+def _load_native_llama(directory: Path, hf_config: dict, dtype: torch.dtype) -> Llama:
+    try:
+        config = llama_config_from_hf(hf_config)
+    except KeyError as e:
+        raise FastpplError(f"{directory}/config.json: lacks {e}; the checkpoint is corrupt") from None
+    with torch.device("meta"):
+        model = Llama(config)
+    model = model.to_empty(device="cpu")
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight  # to_empty unties; tie again
+    load_hf_llama_state_dict(model, read_state_dict(directory), str(directory))
     return model.to(dtype).eval()
 
 

@@ -1,0 +1,346 @@
+"""Autoregressive generation with a static KV cache: prefill, decode_one_token, sample.
+
+Prompts of different lengths are left-padded to a common length P, so that at every step all rows
+write the same cache slot and one input_pos serves the whole batch (the shapes never change, which
+is what a CUDA graph needs). A row's padding is masked out of every attention, and its positions
+start at its first real token:
+
+    slot        0    1    2    3  |  4    5    6       (P = 4, then decode steps)
+    row 0       a0   a1   a2   a3 |  x    x    x       pad 0: positions 0 1 2 3 4 5 6
+    row 1       --   --   b0   b1 |  y    y    y       pad 2: positions 0 0 0 1 2 3 4; slots 0, 1 hidden
+
+A padding query attends to itself only (never to nothing, which would make NaN that then leaks into
+the real rows' attention through 0 * NaN).
+
+On CUDA, decode_one_token is compiled with mode="reduce-overhead" (CUDA graphs): one graph replay per
+token. On the CPU everything runs eagerly.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .errors import FastpplError
+from .models.kv_cache import CacheStep, ensure_kv_cache, supports_kv_cache
+
+CACHE_LEN_MULTIPLE = 64   # cache lengths rounded up to this, so that nearby lengths share a compiled graph
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0           # 0 = greedy (argmax)
+    top_k: Optional[int] = None        # keep the k most likely ids
+    top_p: Optional[float] = None      # keep the smallest set of most likely ids whose probability reaches top_p
+    seed: Optional[int] = 0            # when sampling, reseeds torch's RNG (reproducible on one device and setting)
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise FastpplError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise FastpplError(f"--top-k must be >= 1, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise FastpplError(f"--top-p must be in (0, 1], got {self.top_p}")
+
+
+def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: Optional[int] = None,
+           top_p: Optional[float] = None) -> torch.Tensor:
+    """(B, V) fp32 logits -> (B,) token ids, without a host sync."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth_largest = torch.topk(logits, top_k, dim=-1).values[:, -1:]            # (B, 1)
+        logits = logits.masked_fill(logits < kth_largest, -math.inf)
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs                  # of the more likely ids
+        drop_sorted = mass_before >= top_p           # the most likely id always stays (mass_before = 0)
+        drop = drop_sorted.scatter(-1, order, drop_sorted)                         # back to id order
+        logits = logits.masked_fill(drop, -math.inf)
+    probs = logits.softmax(dim=-1)
+    # exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is a draw from p (multinomial would sync).
+    # E = -log(u) with u clamped away from 0 is never 0, so p_i = 0 is never drawn.
+    exponential = -torch.rand_like(probs).clamp_(min=torch.finfo(probs.dtype).tiny).log()
+    return (probs / exponential).argmax(dim=-1)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(B, P) int64 ids, right-aligned, and (B,) int64 padding counts."""
+    P = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), P), pad_id, dtype=np.int64)
+    pad = np.zeros(len(prompts), dtype=np.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, P - len(prompt):] = prompt
+        pad[row] = P - len(prompt)
+    return ids, pad
+
+
+def padded_mask(pad: torch.Tensor, query_slots: torch.Tensor, cache_len: int) -> torch.Tensor:
+    """(B, 1, T, L) bool: query in slot i of row b sees slot j iff j <= i and j is not padding of row b
+    (a padding query sees itself only)."""
+    key_slots = torch.arange(cache_len, device=pad.device)
+    i, j = query_slots[:, None], key_slots[None, :]                            # (T, 1), (1, L)
+    causal = j <= i                                                            # (T, L)
+    real = j[None] >= pad[:, None, None]                                       # (B, 1, L)
+    return (causal & (real | (j == i)))[:, None]                              # (B, 1, T, L)
+
+
+def _logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """fp32 logits (B, V) of the last position of hidden (B, T, C)."""
+    return F.linear(hidden[:, -1], model.lm_head.weight, getattr(model.lm_head, "bias", None)).float()
+
+
+def prefill(model: nn.Module, ids: torch.Tensor, pad: torch.Tensor, cache_len: int,
+            sampling: Sampling) -> torch.Tensor:
+    """Run the left-padded prompts (B, P) through the model, filling cache slots 0 .. P-1; (B,) first tokens."""
+    B, P = ids.shape
+    slots = torch.arange(P, device=ids.device)
+    positions = (slots[None, :] - pad[:, None]).clamp(min=0)                  # (B, P)
+    step = CacheStep(slots=slots.expand(B, P), mask=padded_mask(pad, slots, cache_len))
+    hidden = model(ids, positions, cache_step=step)
+    return sample(_logits(model, hidden), sampling.temperature, sampling.top_k, sampling.top_p)
+
+
+def decode_one_token(
+    model: nn.Module, token: torch.Tensor, input_pos: torch.Tensor, pad: torch.Tensor, finished: torch.Tensor,
+    cache_len: int, eos_id: int, temperature: float, top_k: Optional[int], top_p: Optional[float],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step: token (B, 1) goes into cache slot input_pos (1,); -> next token (B,), finished (B,).
+    A finished row keeps emitting eos_id (its outputs are cut at the first one)."""
+    B = token.shape[0]
+    positions = (input_pos[None, :] - pad[:, None]).clamp(min=0)              # (B, 1)
+    step = CacheStep(slots=input_pos.expand(B, 1), mask=padded_mask(pad, input_pos, cache_len))
+    hidden = model(token, positions, cache_step=step)
+    next_token = sample(_logits(model, hidden), temperature, top_k, top_p)
+    next_token = torch.where(finished, eos_id, next_token)
+    return next_token, finished | (next_token == eos_id)
+
+
+_compiled_decode = None
+
+
+def compiled_decode_one_token():
+    """decode_one_token under torch.compile with CUDA graphs (compiled once per process, per shape)."""
+    global _compiled_decode
+    if _compiled_decode is None:
+        import os
+        from .config import cache_dir
+        # kept across runs, as for the scorer (fastppl.accel.compile)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+        os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+        _compiled_decode = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
+    return _compiled_decode
+
+
+@dataclass
+class Generation:
+    tokens: list[list[int]]            # new tokens of each prompt, up to and including end-of-text
+    prompt_lengths: list[int]
+    time_to_first_token: float         # seconds: prefill + first sample, synchronised
+    decode_steps: int                  # decode_one_token calls (each gives every row one token)
+    decode_seconds: float              # of the steps after the warm-up ones
+    decode_warmup_steps: int           # first steps not timed (compilation and CUDA graph capture)
+    decode_warmup_seconds: float
+    compiled: bool
+    finished: list[bool] = field(default_factory=list)   # stopped at end-of-text
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens per second of the timed decode steps, counting every row of the batch."""
+        timed = self.decode_steps - self.decode_warmup_steps
+        rows = len(self.tokens)
+        return rows * timed / self.decode_seconds if timed > 0 and self.decode_seconds > 0 else float("nan")
+
+    def to_dict(self) -> dict:
+        return dict(
+            prompt_lengths=self.prompt_lengths, new_tokens=[len(t) for t in self.tokens], finished=self.finished,
+            time_to_first_token_seconds=self.time_to_first_token, decode_steps=self.decode_steps,
+            decode_seconds=self.decode_seconds, decode_warmup_steps=self.decode_warmup_steps,
+            decode_warmup_seconds=self.decode_warmup_seconds,
+            decode_tokens_per_second=self.decode_tokens_per_second, compiled=self.compiled,
+        )
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def generate(
+    model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
+    eos_id: Optional[int] = None, compile: Optional[bool] = None, stop_check_every: int = 16,
+) -> Generation:
+    """New tokens for each prompt (token id lists, each non-empty), at most max_new_tokens, stopping a row
+    at eos_id. The model stays on its device; compile defaults to on for CUDA, off otherwise."""
+    if not supports_kv_cache(model):
+        raise FastpplError(f"{type(model).__name__} has no KV cache support; generate needs a native model "
+                           "(--backend native)")
+    if max_new_tokens < 1:
+        raise FastpplError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise FastpplError("every prompt needs at least one token")
+    device = next(model.parameters()).device
+    compile = device.type == "cuda" if compile is None else compile
+    P = max(len(p) for p in prompts)
+    if P + max_new_tokens - 1 > model.max_positions:
+        raise FastpplError(f"the longest prompt ({P} tokens) + --max-new-tokens {max_new_tokens} exceed the "
+                           f"model's {model.max_positions} positions; shorten them")
+    cache_len = min(-(-(P + max_new_tokens) // CACHE_LEN_MULTIPLE) * CACHE_LEN_MULTIPLE, model.max_positions)
+    B = len(prompts)
+    no_eos = -1
+    eos = no_eos if eos_id is None else eos_id
+    ids_np, pad_np = left_pad(prompts, pad_id=0 if eos_id is None else eos_id)
+    if sampling.temperature > 0 and sampling.seed is not None:
+        torch.manual_seed(sampling.seed)
+
+    # left attached for the next call of the same shape (fastppl.models.kv_cache.remove_kv_cache frees it)
+    ensure_kv_cache(model, B, cache_len)
+    started = time.perf_counter()
+    ids = torch.from_numpy(ids_np).to(device)
+    pad = torch.from_numpy(pad_np).to(device)
+    token = prefill(model, ids, pad, cache_len, sampling)
+    finished = token == eos
+    outputs = [token]
+    _synchronize(device)
+    time_to_first_token = time.perf_counter() - started
+
+    step_fn = compiled_decode_one_token() if compile else decode_one_token
+    warmup_steps = min(2, max_new_tokens - 1) if compile else 0   # compile + CUDA graph capture
+    input_pos = torch.tensor([P], dtype=torch.int64, device=device)
+    steps, warmup_seconds = 0, 0.0
+    decode_started = time.perf_counter()
+    while steps < max_new_tokens - 1:
+        if compile and device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+        token, finished = step_fn(model, token[:, None], input_pos, pad, finished, cache_len, eos,
+                                  sampling.temperature, sampling.top_k, sampling.top_p)
+        token, finished = token.clone(), finished.clone()   # a graph's outputs are overwritten by its next replay
+        input_pos += 1
+        outputs.append(token)
+        steps += 1
+        if steps == warmup_steps:
+            _synchronize(device)
+            warmup_seconds = time.perf_counter() - decode_started
+            decode_started = time.perf_counter()
+        if eos != no_eos and steps % stop_check_every == 0 and bool(finished.all()):
+            break
+    _synchronize(device)
+    decode_seconds = time.perf_counter() - decode_started
+
+    new_tokens = torch.stack(outputs, dim=1).cpu().tolist()                   # (B, steps + 1)
+    tokens, stopped = [], []
+    for row in new_tokens:
+        if eos in row:
+            row = row[:row.index(eos) + 1]
+        tokens.append(row)
+        stopped.append(eos != no_eos and row[-1] == eos)
+    return Generation(
+        tokens=tokens, prompt_lengths=[len(p) for p in prompts], time_to_first_token=time_to_first_token,
+        decode_steps=steps, decode_seconds=decode_seconds, decode_warmup_steps=min(warmup_steps, steps),
+        decode_warmup_seconds=warmup_seconds, compiled=compile, finished=stopped,
+    )
+
+
+def benchmark_generate(model: nn.Module, batch_size: int = 1, prompt_length: int = 16, new_tokens: int = 256,
+                       compile: Optional[bool] = None, seed: int = 0) -> dict:
+    """Decode speed of model (already on its device) for a bench: random prompts, greedy, no end-of-text
+    stop; one untimed run first, so that compilation and graph capture are not in the timed one."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, model.vocab_size, (batch_size, prompt_length), generator=generator).tolist()
+    generate(model, prompts, new_tokens, Sampling(), eos_id=None, compile=compile)
+    timed = generate(model, prompts, new_tokens, Sampling(), eos_id=None, compile=compile)
+    return dict(batch_size=batch_size, prompt_length=prompt_length, max_new_tokens=new_tokens, **timed.to_dict())
+
+
+@dataclass
+class GenerateConfig:
+    model: str                          # HF directory, hub id, or random:<preset>
+    prompts: list[str]
+    max_new_tokens: int = 64
+    tokenizer: Optional[str] = None     # defaults to the model's own tokenizer
+    sampling: Sampling = field(default_factory=Sampling)
+    device: str = "auto"
+    dtype: str = "auto"                 # auto = bf16 on CUDA, fp32 on CPU
+    backend: str = "auto"               # generation needs a native model (KV cache)
+    compile: str = "auto"               # auto = on for CUDA (CUDA graphs), off on the CPU
+    model_seed: int = 0                 # seeds random:<preset> weights
+
+    def __post_init__(self) -> None:
+        if not self.prompts:
+            raise FastpplError("give at least one --prompt or a --prompts file")
+        if self.max_new_tokens < 1:
+            raise FastpplError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+        if self.compile not in ("auto", "on", "off"):
+            raise FastpplError(f"unknown --compile {self.compile!r}; use auto, on or off")
+
+
+def read_prompts(path: str) -> list[str]:
+    """One prompt per line; blank lines are skipped; a literal \\n inside a line stands for a newline."""
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise FastpplError(f"--prompts {path}: cannot be read ({e})") from None
+    prompts = [line.replace("\\n", "\n") for line in lines if line.strip()]
+    if not prompts:
+        raise FastpplError(f"--prompts {path}: holds no prompt (one per line)")
+    return prompts
+
+
+def run_generate(config: GenerateConfig) -> dict:
+    """Load, tokenise, generate, decode: the result dict of `fastppl generate`."""
+    from .data.tokenize import load_tokenizer
+    from .engine.precision import resolve_device, resolve_dtype
+    from .models import load_model
+    from .pipeline import _environment, default_tokenizer_name
+
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    tokenizer = load_tokenizer(config.tokenizer or default_tokenizer_name(config.model))
+    model = load_model(config.model, config.backend, dtype, config.model_seed)
+    if tokenizer.vocab_size > model.vocab_size:
+        raise FastpplError(
+            f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size:,} ids but the model's vocabulary has "
+            f"{model.vocab_size:,}; pass the model's own tokenizer with --tokenizer")
+    eos_id = tokenizer.hf.eos_token_id
+    prompt_ids = []
+    for text in config.prompts:
+        ids = tokenizer.encode(text).tolist()
+        if not ids:   # an empty prompt starts from BOS / end-of-text, as GPT-2 was trained to
+            if tokenizer.bos_id is None:
+                raise FastpplError("an empty prompt needs a tokenizer with a BOS or end-of-text token")
+            ids = [tokenizer.bos_id]
+        prompt_ids.append(ids)
+    model = model.to(device)
+    compile = {"on": True, "off": False, "auto": None}[config.compile]
+    result = generate(model, prompt_ids, config.max_new_tokens, config.sampling, eos_id, compile)
+    completions = []
+    for text, tokens, finished in zip(config.prompts, result.tokens, result.finished):
+        text_tokens = tokens[:-1] if finished else tokens
+        completions.append(dict(prompt=text, completion=tokenizer.hf.decode(text_tokens), tokens=tokens,
+                                finished=finished))
+    return dict(model=config.model, completions=completions, **result.to_dict(),
+                sampling=dict(temperature=config.sampling.temperature, top_k=config.sampling.top_k,
+                              top_p=config.sampling.top_p, seed=config.sampling.seed),
+                dtype=str(dtype).replace("torch.", ""), environment=_environment(device))
+
+
+def generation_summary(result: dict) -> str:
+    lines = []
+    for i, c in enumerate(result["completions"]):
+        end = "  [end of text]" if c["finished"] else ""
+        lines.append(f"--- {i}: {c['prompt']!r}\n{c['prompt']}{c['completion']}{end}")
+    lines.append(
+        f"speed       time to first token {result['time_to_first_token_seconds'] * 1000:.1f} ms, decode "
+        f"{result['decode_tokens_per_second']:,.0f} tokens/s ({len(result['completions'])} row(s) x "
+        f"{result['decode_steps']} steps, compiled {'yes' if result['compiled'] else 'no'}, "
+        f"{result['environment']['device_name']})")
+    return "\n".join(lines)

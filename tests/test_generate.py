@@ -1,0 +1,143 @@
+"""Generation: greedy equals transformers' generate, seeded sampling, batching, end-of-text, the CLI."""
+import json
+
+import pytest
+import torch
+
+from fastppl.cli import main
+from fastppl.errors import FastpplError
+from fastppl.generate import Sampling, benchmark_generate, generate, sample
+from fastppl.models.loading import native_to_hf, random_native
+
+EOS = 50256
+
+
+def _model(preset: str):
+    model = random_native(preset).eval()
+    with torch.no_grad():   # sharper than the 0.02 init: greedy text then varies instead of repeating one id
+        for name, p in model.named_parameters():
+            if "norm" not in name and "ln" not in name:
+                p.normal_(0.0, 0.1)
+    return model
+
+
+def _prompts(lengths, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, EOS, (n,), generator=generator).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
+def test_greedy_equals_transformers_generate(preset):
+    model = _model(preset)
+    hf = native_to_hf(model).eval()
+    for prompt in _prompts([7, 1]):
+        got = generate(model, [prompt], 24, eos_id=None).tokens[0]
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                              pad_token_id=EOS, eos_token_id=None)
+        assert got == out[0, len(prompt):].tolist()
+        assert len(set(got)) > 3     # a real test: the text is not one id repeated
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
+def test_batched_prompts_of_different_lengths_equal_one_by_one(preset):
+    model = _model(preset)
+    prompts = _prompts([9, 2, 5, 13])
+    for sampling in (Sampling(), Sampling(temperature=0.7, top_k=20, seed=0)):
+        batched = generate(model, prompts, 16, sampling, eos_id=None)
+        if sampling.temperature == 0:
+            for prompt, tokens in zip(prompts, batched.tokens):
+                assert generate(model, [prompt], 16, eos_id=None).tokens[0] == tokens
+        assert [len(t) for t in batched.tokens] == [16] * 4
+        assert batched.decode_steps == 15
+
+
+def test_sampling_is_reproducible_with_a_seed():
+    model = _model("llama-tiny")
+    prompts = _prompts([4, 6])
+    settings = dict(temperature=1.0, top_k=100, top_p=0.95)
+    first = generate(model, prompts, 20, Sampling(**settings, seed=123), eos_id=None).tokens
+    again = generate(model, prompts, 20, Sampling(**settings, seed=123), eos_id=None).tokens
+    other = generate(model, prompts, 20, Sampling(**settings, seed=124), eos_id=None).tokens
+    greedy = generate(model, prompts, 20, eos_id=None).tokens
+    assert first == again
+    assert first != other and first != greedy
+
+
+def test_sample_respects_top_k_and_top_p():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 1000) * 3
+    greedy = logits.argmax(-1)
+    assert torch.equal(sample(logits, 1.0, top_k=1), greedy)
+    assert torch.equal(sample(logits, 1.0, top_p=1e-6), greedy)          # the most likely id always stays
+    top5 = torch.topk(logits, 5).indices
+    draws = torch.stack([sample(logits, 2.0, top_k=5) for _ in range(200)], dim=1)   # (4, 200)
+    assert all(set(draws[row].tolist()) <= set(top5[row].tolist()) for row in range(4))
+    assert len(set(draws[0].tolist())) > 1
+    # top_p: only the smallest most-likely set whose probability reaches p
+    probs = logits.softmax(-1)
+    sorted_probs, order = probs.sort(-1, descending=True)
+    n_keep = (sorted_probs.cumsum(-1) - sorted_probs < 0.5).sum(-1)
+    draws = torch.stack([sample(logits, 1.0, top_p=0.5) for _ in range(200)], dim=1)
+    for row in range(4):
+        assert set(draws[row].tolist()) <= set(order[row, :n_keep[row]].tolist())
+
+
+def test_zero_probability_is_never_drawn():
+    logits = torch.full((2, 50), -float("inf"))
+    logits[:, 7] = 0.0
+    logits[1, 9] = 0.0
+    draws = torch.stack([sample(logits, 1.0) for _ in range(100)])
+    assert set(draws[:, 0].tolist()) == {7} and set(draws[:, 1].tolist()) <= {7, 9}
+
+
+def test_rows_stop_at_end_of_text():
+    model = _model("gpt2-tiny")
+    prompts = _prompts([3, 8])
+    free = generate(model, prompts, 12, eos_id=None).tokens
+    stop_id = free[0][4]       # pretend row 0's fifth token is end-of-text
+    result = generate(model, prompts, 12, eos_id=stop_id, stop_check_every=2)
+    assert result.tokens[0] == free[0][:free[0].index(stop_id) + 1] and result.finished[0]
+    if stop_id not in free[1]:
+        assert result.tokens[1] == free[1] and not result.finished[1]
+
+
+def test_prompt_too_long_is_a_user_error():
+    model = random_native("gpt2-tiny")
+    with pytest.raises(FastpplError, match="positions"):
+        generate(model, [[1] * 250], 10)
+
+
+def test_cli_generate_writes_json(tmp_path, tokenizer_dir):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("To be, or not to be\n\nWhat light through yonder\n")
+    out = tmp_path / "g.json"
+    rc = main(["generate", "--model", "random:llama-tiny", "--tokenizer", str(tokenizer_dir), "--prompts", str(prompts),
+               "--prompt", "Hello", "--max-new-tokens", "5", "--temperature", "0.8", "--top-p", "0.9",
+               "--device", "cpu", "--json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert [c["prompt"] for c in result["completions"]] == ["Hello", "To be, or not to be", "What light through yonder"]
+    assert all(len(c["tokens"]) == 5 for c in result["completions"])
+    assert result["time_to_first_token_seconds"] > 0 and result["decode_tokens_per_second"] > 0
+    assert result["sampling"]["top_p"] == 0.9 and not result["compiled"]
+
+
+def test_cli_generate_without_prompts_is_a_user_error(capsys):
+    assert main(["generate", "--model", "random:gpt2-tiny", "--max-new-tokens", "3"]) == 2
+    assert "prompt" in capsys.readouterr().err
+
+
+def test_generate_reuses_an_attached_cache_of_the_same_shape():
+    model = _model("llama-tiny")
+    prompts = _prompts([5, 3])
+    first = generate(model, prompts, 8, eos_id=None)
+    cache = model.blocks[0].attn.kv_cache
+    assert generate(model, prompts, 8, eos_id=None).tokens == first.tokens
+    assert model.blocks[0].attn.kv_cache is cache     # same tensors: a compiled step keeps its CUDA graph
+
+
+def test_benchmark_generate_reports_decode_speed():
+    result = benchmark_generate(random_native("gpt2-tiny"), batch_size=2, prompt_length=4, new_tokens=6)
+    assert result["decode_steps"] == 5 and result["new_tokens"] == [6, 6]
+    assert result["decode_tokens_per_second"] > 0 and result["time_to_first_token_seconds"] > 0

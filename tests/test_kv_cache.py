@@ -1,0 +1,88 @@
+"""The same forward with and without a KV cache: prefill + one token at a time = one full forward."""
+import pytest
+import torch
+
+from fastppl.generate import padded_mask
+from fastppl.models.kv_cache import CacheStep, remove_kv_cache, setup_kv_cache
+from fastppl.models.loading import random_native
+
+
+def _model(preset: str):
+    model = random_native(preset).eval()
+    with torch.no_grad():   # sharper than the 0.02 init, so that attention is far from uniform
+        for name, p in model.named_parameters():
+            if "norm" not in name and "ln" not in name:
+                p.normal_(0.0, 0.1)
+    return model
+
+
+def _cached_forward(model, ids: torch.Tensor, pad: torch.Tensor, prefill_len: int, cache_len: int):
+    """Hidden states of left-padded ids (B, T): the first prefill_len slots at once, the rest one by one."""
+    B, T = ids.shape
+    setup_kv_cache(model, B, cache_len)
+    pieces = []
+    try:
+        for begin, end in [(0, prefill_len)] + [(t, t + 1) for t in range(prefill_len, T)]:
+            slots = torch.arange(begin, end)
+            positions = (slots[None, :] - pad[:, None]).clamp(min=0)
+            step = CacheStep(slots.expand(B, -1), padded_mask(pad, slots, cache_len))
+            pieces.append(model(ids[:, begin:end], positions, cache_step=step))
+    finally:
+        remove_kv_cache(model)
+    return torch.cat(pieces, dim=1)
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
+def test_cached_forward_equals_uncached(preset):
+    model = _model(preset)
+    ids = torch.randint(0, 50257, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids)
+        got = _cached_forward(model, ids, torch.zeros(2, dtype=torch.long), prefill_len=25, cache_len=64)
+        assert all(layer.kv_cache is None for layer in model.modules() if hasattr(layer, "kv_cache"))
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(ids), expected, rtol=0, atol=0)   # removing the cache restores the plain path
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
+def test_left_padded_rows_equal_their_unpadded_selves(preset):
+    model = _model(preset)
+    generator = torch.Generator().manual_seed(1)
+    rows = [torch.randint(0, 50257, (n,), generator=generator) for n in (30, 22)]
+    T = 30
+    ids = torch.stack([torch.cat([torch.zeros(T - len(r), dtype=torch.long), r]) for r in rows])
+    pad = torch.tensor([T - len(r) for r in rows])
+    with torch.no_grad():
+        got = _cached_forward(model, ids, pad, prefill_len=26, cache_len=T)
+        assert torch.isfinite(got).all()     # padding queries attend to themselves: never NaN
+        for row, r in enumerate(rows):
+            expected = model(r[None])[0]
+            torch.testing.assert_close(got[row, pad[row]:], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_cache_is_sized_by_the_model_and_not_in_the_state_dict():
+    model = random_native("llama-tiny")
+    keys_before = set(model.state_dict())
+    setup_kv_cache(model, batch=3, max_len=16)
+    cache = model.blocks[0].attn.kv_cache
+    assert cache.k.shape == (3, model.config.n_kv_head, 16, model.config.head_dim)
+    assert set(model.state_dict()) == keys_before
+    ids = torch.randint(0, 50257, (3, 10))
+    with torch.no_grad():
+        with_cache = model(ids)                # no cache_step: the plain forward, cache attached or not
+        remove_kv_cache(model)
+        torch.testing.assert_close(model(ids), with_cache, rtol=0, atol=0)
+    assert model.blocks[0].attn.kv_cache is None
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_grouped_masked_attention_equals_expanded_heads(T):
+    from fastppl.models.attention import masked_attention
+    generator = torch.Generator().manual_seed(T)
+    q = torch.randn(2, 8, T, 16, generator=generator)
+    k, v = (torch.randn(2, 2, 11, 16, generator=generator) for _ in range(2))
+    mask = torch.rand(2, 1, T, 11, generator=generator) > 0.4
+    mask[..., 0] = True
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1), attn_mask=mask)
+    torch.testing.assert_close(masked_attention(q, k, v, mask), expected, rtol=1e-5, atol=1e-6)
