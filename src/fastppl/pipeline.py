@@ -1,8 +1,11 @@
 """The evaluation pipeline: corpus -> tokens -> windows -> batches -> device sums -> metrics."""
 from __future__ import annotations
 
+import inspect
 import math
+import os
 import platform
+import signal
 import time
 from dataclasses import dataclass
 
@@ -10,17 +13,20 @@ import numpy as np
 import torch
 
 from . import __version__
-from .accel.compile import compile_score_fn, use_compile
+from .accel.compile import allow_shapes, compile_score_fn, use_compile
 from .config import EvalConfig
-from .data.batching import WindowRef, iter_batches
+from .data.batching import WindowRef, batch_from_plan
 from .data.corpus import Document, load_documents
+from .data.packing import padding_waste, plan_batches, resolve_batching
 from .data.tokenize import Tokenizer, encode_cached, load_tokenizer
 from .data.windows import chunked_windows, sliding_windows
 from .engine.precision import resolve_device, resolve_dtype
 from .engine.score import DeviceSums, make_score_fn, score_batches
 from .errors import FastpplError
+from .metrics import lm_eval_word_count, per_unit_metrics
 from .models import load_model
 from .progress import Progress
+from .resume import KILL_AFTER_BATCHES_ENV, Checkpointer, data_sha256, model_files, run_fingerprint
 
 
 @dataclass
@@ -51,13 +57,20 @@ def plan_windows(config: EvalConfig, streams: list[Stream], ctx: int) -> list[Wi
     return refs
 
 
-def scored_bytes(config: EvalConfig, documents: list[Document], tokens: list[np.ndarray], tokenizer: Tokenizer) -> int:
-    """UTF-8 bytes of the scored text: all of it, less the first token of each document when sliding
-    without --bos leaves that token unscored."""
-    total = sum(len(d.text.encode("utf-8")) for d in documents)
+def scored_bytes_by_document(
+    config: EvalConfig, documents: list[Document], tokens: list[np.ndarray], tokenizer: Tokenizer,
+) -> np.ndarray:
+    """(n_documents,) UTF-8 bytes of each document's scored text: all of it, less its first token when
+    sliding without --bos leaves that token unscored."""
+    n_bytes = np.array([len(d.text.encode("utf-8")) for d in documents], dtype=np.int64)
     if config.window == "sliding" and not config.bos:
-        total -= sum(tokenizer.n_bytes(t[:1]) for t in tokens if len(t))
-    return total
+        n_bytes -= np.array([tokenizer.n_bytes(t[:1]) if len(t) else 0 for t in tokens], dtype=np.int64)
+    return n_bytes
+
+
+def takes_document_ids(model: torch.nn.Module) -> bool:
+    """Whether the model's forward can keep packed documents apart (the native architectures can)."""
+    return "document_ids" in inspect.signature(model.forward).parameters
 
 
 def _environment(device: torch.device) -> dict:
@@ -94,9 +107,10 @@ def evaluate(config: EvalConfig) -> dict:
 
     tokens = [encode_cached(tokenizer, d.text) for d in documents]
     n_tokens = sum(len(t) for t in tokens)
-    if n_tokens < 2:
-        raise FastpplError(f"the corpus has {n_tokens} token(s); at least 2 are needed to score anything")
     use_bos = config.window == "chunked" or config.bos
+    if n_tokens < (1 if use_bos else 2):   # after BOS one token can be scored; without, its successor
+        raise FastpplError(
+            f"the corpus has {n_tokens} token(s); at least {1 if use_bos else 2} needed to score anything")
     if use_bos and tokenizer.bos_id is None:
         raise FastpplError(f"tokenizer {tokenizer.name!r} has no BOS or end-of-text token to condition on; "
                            "use --window sliding without --bos")
@@ -110,32 +124,70 @@ def evaluate(config: EvalConfig) -> dict:
     n_scored = sum(r.window.n_scored for r in refs)
     if n_scored == 0:
         raise FastpplError("no token can be scored (every document is a single token); add text or use --bos")
+    # documents with nothing to score (empty, or one token when sliding without --bos) are skipped
+    scored_by_window = np.array([r.window.n_scored for r in refs], dtype=np.int64)
+    scored_by_document = np.bincount([r.doc for r in refs], weights=scored_by_window,
+                                     minlength=len(documents)).astype(np.int64)
+    scored_documents = np.flatnonzero(scored_by_document)
+
+    # refs are in plan order (documents in order, windows in order): the window index of the batch plan
+    batching, batching_reason = resolve_batching(config.batching, len(scored_documents), takes_document_ids(model))
+    window_lengths = np.array([r.window.length for r in refs], dtype=np.int64)
+    plans = plan_batches(window_lengths, batching, ctx, config.batch_size)
 
     model = model.to(device)
     score_fn = make_score_fn(model, config.loss_chunk_rows)
     compiled, compile_reason = use_compile(config.compile, device, n_scored)
     if compiled:
+        allow_shapes(len({(p.n_rows, p.seq_len) for p in plans}))
         score_fn = compile_score_fn(score_fn)
-    # longest first: the first (compiled) shape is the largest, and a memory error shows at once
-    refs.sort(key=lambda r: -r.window.length)
-    batch_size = min(config.batch_size, len(refs))
 
-    sums = DeviceSums.zeros(ctx, device, n_tokens if config.per_token else None)
+    sums = DeviceSums.zeros(ctx, device, n_tokens if config.per_token else None, len(documents))
+    checkpointer, start_batch = None, 0
+    if config.resume:
+        fingerprint = run_fingerprint(
+            config.to_dict(), data_sha256=data_sha256(documents), tokenizer_fingerprint=tokenizer.fingerprint,
+            model_files=model_files(config.model), resolved_device=str(device), resolved_dtype=str(dtype),
+            resolved_batching=batching, windows=len(refs), fastppl=__version__,
+        )
+        checkpointer = Checkpointer(config.resume, fingerprint, plans, len(refs),
+                                    config.checkpoint_batches, config.checkpoint_seconds)
+        start_batch = checkpointer.load(sums)
+    scored_before = int(sum(scored_by_window[p.windows].sum() for p in plans[:start_batch]))
     progress = Progress(n_scored, enabled=not config.quiet)
+    progress.advance(scored_before)
+    kill_after = int(os.environ.get(KILL_AFTER_BATCHES_ENV, "0"))   # tests only: a crash at a chosen batch
+    batches_done = start_batch
+
+    def after_batch(batch) -> None:
+        nonlocal batches_done
+        batches_done += 1
+        progress.advance(batch.n_scored)
+        if checkpointer is not None:
+            checkpointer.after_batch(batches_done, sums)
+        if kill_after and batches_done - start_batch == kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    stream_ids, stream_offsets = [s.ids for s in streams], [s.offset_of_target for s in streams]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     scoring_started = time.perf_counter()
     score_batches(
-        score_fn, iter_batches(refs, [s.ids for s in streams], [s.offset_of_target for s in streams], batch_size, ctx),
-        sums, device, on_batch=lambda b: progress.advance(b.n_scored),
+        score_fn, (batch_from_plan(p, refs, stream_ids, stream_offsets) for p in plans[start_batch:]),
+        sums, device, on_batch=after_batch,
     )
     nll_sum = float(sums.nll_sum.item())   # the run's one host sync
+    if checkpointer is not None and start_batch < len(plans):
+        checkpointer.save(len(plans), sums)   # complete: a rerun gives the result without scoring
     scoring_seconds = time.perf_counter() - scoring_started
     progress.close()
     if not math.isfinite(nll_sum):
         raise FastpplError("the model produced a non-finite loss; try --dtype fp32")
 
-    n_bytes = scored_bytes(config, documents, tokens, tokenizer)
+    bytes_by_document = scored_bytes_by_document(config, documents, tokens, tokenizer)
+    words_by_document = np.array([lm_eval_word_count(d.text) for d in documents], dtype=np.int64)
+    n_bytes = int(bytes_by_document[scored_documents].sum())
+    n_words = int(words_by_document[scored_documents].sum())
     nll = nll_sum / n_scored
     counts = sums.position_count.cpu().numpy()
     by_position = np.where(counts > 0, sums.position_nll_sum.cpu().numpy() / np.maximum(counts, 1), np.nan)
@@ -149,8 +201,14 @@ def evaluate(config: EvalConfig) -> dict:
         "bits_per_token": nll / math.log(2),
         "bytes": n_bytes,
         "bits_per_byte": nll_sum / math.log(2) / n_bytes if n_bytes else float("nan"),
+        **per_unit_metrics(nll_sum, n_bytes, n_words),
         "documents": len(documents),
+        "documents_skipped": len(documents) - len(scored_documents),
         "windows": len(refs),
+        "batching": batching,
+        "batching_reason": batching_reason,
+        "batches": len(plans),
+        "padding_waste": padding_waste(plans, window_lengths),
         "ctx": ctx,
         "stride": (config.stride or max(ctx // 2, 1)) if config.window == "sliding" else None,
         "window": config.window,
@@ -158,12 +216,22 @@ def evaluate(config: EvalConfig) -> dict:
         "compile": compile_reason,
         "wall_seconds": wall,
         "scoring_seconds": scoring_seconds,
-        "tokens_per_second": n_scored / scoring_seconds if scoring_seconds > 0 else float("nan"),
+        "tokens_per_second": (n_scored - scored_before) / scoring_seconds if scoring_seconds > 0 else float("nan"),
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "nll_by_position": [None if math.isnan(x) else float(x) for x in by_position],
+        "per_doc_path": config.per_doc,
+        "resumed_from_batch": start_batch if config.resume else None,
+        "windows_scored_this_run": int(sum(len(p.windows) for p in plans[start_batch:])),
         "config": config.to_dict(),
         "environment": _environment(device),
     }
     if config.per_token:
         result["_per_token"] = sums.per_token[:-1].cpu().numpy()
+    if config.per_doc:
+        nll_by_document = sums.per_document[:-1].cpu().numpy()
+        result["_per_doc"] = [
+            {"id": documents[d].id, "tokens": int(scored_by_document[d]), "bytes": int(bytes_by_document[d]),
+             "words": int(words_by_document[d]), "nll_sum": float(nll_by_document[d])}
+            for d in scored_documents
+        ]
     return result
