@@ -7,9 +7,10 @@ import torch
 
 from fastppl.cli import main
 from fastppl.config import EvalConfig
-from fastppl.data.batching import WindowRef, make_batch
+from fastppl.data.batching import WindowRef, batch_from_plan
+from fastppl.data.packing import plan_batches, split_rows
 from fastppl.data.windows import chunked_windows
-from fastppl.engine.score import DeviceSums, make_score_fn, score_with_backoff
+from fastppl.engine.score import DeviceSums, make_score_fn, score_plans
 from fastppl.models.loading import random_gpt2
 from fastppl.pipeline import evaluate
 
@@ -18,13 +19,14 @@ def _setup(n_tokens=700, ctx=32):
     model = random_gpt2("gpt2-tiny").eval()
     ids = np.random.default_rng(1).integers(0, 50257, n_tokens + 1)
     refs = [WindowRef(0, w) for w in chunked_windows(n_tokens, ctx)]
-    batch_of = lambda begin, size: make_batch(refs[begin:begin + size], [ids], [0], size, ctx)  # noqa: E731
-    return model, refs, batch_of, ctx
+    build = lambda plan: batch_from_plan(plan, refs, [ids], [0])  # noqa: E731
+    return model, refs, build, ctx
 
 
-def _score(score_fn, refs, batch_of, ctx, batch_size, n_tokens=700):
+def _score(score_fn, refs, build, ctx, batch_size, n_tokens=700):
     sums = DeviceSums.zeros(ctx, torch.device("cpu"), n_tokens)
-    used = score_with_backoff(score_fn, batch_of, len(refs), batch_size, sums, torch.device("cpu"))
+    plans = plan_batches([r.window.length for r in refs], "padded", ctx, batch_size)
+    used = score_plans(score_fn, plans, build, sums, torch.device("cpu"), split=split_rows)
     return sums, used
 
 

@@ -123,8 +123,11 @@ def test_missing_file_in_process(tmp_path, outputs, tokenizer_dir, capsys):
                        "no such file")
 
 
-def test_directory_as_data(tmp_path, outputs, tokenizer_dir, capsys):
-    _assert_user_error(*_main(capsys, _args(TINY, tmp_path, outputs, tokenizer_dir)), outputs, "is a directory")
+def test_empty_directory_as_data(tmp_path, outputs, tokenizer_dir, capsys):
+    # a directory is a document set (one document per file); an empty one is an error
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _assert_user_error(*_main(capsys, _args(TINY, empty, outputs, tokenizer_dir)), outputs, "holds no files")
 
 
 def test_unknown_builtin(outputs, tokenizer_dir, capsys):

@@ -21,7 +21,8 @@ def _batch_size(value: str):
 def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="HF checkpoint directory, hub id, or random:gpt2[-medium|-large|-xl|-tiny]")
     p.add_argument("--data", required=True, action="append",
-                   help="text file, .jsonl (one document per line), or built-in 'tinyshakespeare'; repeatable")
+                   help="text file, .jsonl (one document per line), directory (one document per file), "
+                        "hf:NAME[:CONFIG]:SPLIT (a Hugging Face dataset), or built-in 'tinyshakespeare'; repeatable")
     p.add_argument("--tokenizer", help="tokenizer directory or hub id (default: the model's)")
     p.add_argument("--split", default="all", choices=["train", "val", "all"],
                    help="nanoGPT split of a single text: first 90%% / last 10%% of the characters")
@@ -55,6 +56,13 @@ def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="write the full report here")
     p.add_argument("--per-token", help="write per-token NLL here (.npy float32, NaN where unscored)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--batching", default="auto", choices=["auto", "packed", "bucketed", "padded"],
+                   help="packed: several documents per row with a document mask; bucketed: rows of a few lengths; "
+                        "padded: every window its own row of ctx (auto: packed for several documents, else padded)")
+    p.add_argument("--per-doc", help="write one JSON line per scored document here (id, tokens, bytes, words, nll_sum)")
+    p.add_argument("--resume", metavar="DIR", help="checkpoint into DIR, and resume from the checkpoint found there")
+    p.add_argument("--checkpoint-seconds", type=float, default=60.0, help="with --resume: checkpoint at least this often")
+    p.add_argument("--checkpoint-batches", type=int, help="with --resume: also checkpoint every this many batches")
 
 
 def _config_from_args(args: argparse.Namespace):
@@ -66,6 +74,8 @@ def _config_from_args(args: argparse.Namespace):
         dtype=args.dtype, backend=args.backend, compile=args.compile, loss=args.loss, kv_cache=args.kv_cache,
         loss_chunk_rows=args.loss_chunk_rows,
         seed=args.seed, per_token=args.per_token, quiet=args.quiet,
+        batching=args.batching, per_doc=args.per_doc, resume=args.resume,
+        checkpoint_seconds=args.checkpoint_seconds, checkpoint_batches=args.checkpoint_batches,
     )
 
 
@@ -75,12 +85,12 @@ def run_eval(args: argparse.Namespace) -> int:
         return _relaunch(args)
     from .distributed import init_distributed, is_main_process, stop_all_on_failure
     from .pipeline import evaluate
-    from .report import check_writable, summary, write_json, write_npy
+    from .report import check_writable, summary, write_json, write_jsonl, write_npy
 
     @stop_all_on_failure   # under torchrun, rank 0's output check stops the other ranks too
     def check_outputs() -> None:
         init_distributed(args.device)   # None on one process; evaluate() joins the same job
-        for flag, path in (("--json", args.json), ("--per-token", args.per_token)):
+        for flag, path in (("--json", args.json), ("--per-token", args.per_token), ("--per-doc", args.per_doc)):
             if path and is_main_process():
                 check_writable(path, flag)
 
@@ -90,8 +100,11 @@ def run_eval(args: argparse.Namespace) -> int:
     if not is_main_process():
         return 0   # only rank 0 prints and writes
     per_token = result.pop("_per_token", None)
+    per_doc = result.pop("_per_doc", None)
     if args.per_token:
         write_npy(args.per_token, per_token)
+    if args.per_doc:
+        write_jsonl(args.per_doc, per_doc)
     if args.json:
         write_json(args.json, result)
     print(summary(result))

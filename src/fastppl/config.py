@@ -11,6 +11,7 @@ from .errors import FastpplError
 WINDOW_MODES = ("chunked", "sliding")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 BACKENDS = ("auto", "native", "hf")
+BATCHING_SETTINGS = ("auto", "packed", "bucketed", "padded")
 
 
 def cache_dir() -> Path:
@@ -46,6 +47,11 @@ class EvalConfig:
     seed: int = 0                       # seeds random:<preset> weights
     per_token: Optional[str] = None     # .npy of per-token NLL
     quiet: bool = False
+    batching: str = "auto"              # auto | packed | bucketed | padded, see fastppl.data.packing
+    per_doc: Optional[str] = None       # JSON lines, one per scored document: id, tokens, bytes, words, nll_sum
+    resume: Optional[str] = None        # checkpoint directory of a resumable run, see fastppl.resume
+    checkpoint_seconds: float = 60.0    # with resume: save at least this often ...
+    checkpoint_batches: Optional[int] = None   # ... and every this many batches
 
     def __post_init__(self) -> None:
         if self.window not in WINDOW_MODES:
@@ -74,6 +80,12 @@ class EvalConfig:
             raise FastpplError("--bos applies to --window sliding only (chunked windows always start with BOS)")
         if self.loss not in ("auto", "chunked", "fused"):
             raise FastpplError(f"unknown --loss {self.loss!r}; use auto, chunked or fused")
+        if self.batching not in BATCHING_SETTINGS:
+            raise FastpplError(f"unknown --batching {self.batching!r}; use one of {', '.join(BATCHING_SETTINGS)}")
+        if self.checkpoint_batches is not None and self.checkpoint_batches < 1:
+            raise FastpplError(f"--checkpoint-batches must be at least 1, got {self.checkpoint_batches}")
+        if self.checkpoint_seconds < 0:
+            raise FastpplError(f"--checkpoint-seconds must not be negative, got {self.checkpoint_seconds}")
         if self.loss_chunk_rows < 1:
             raise FastpplError("--loss-chunk-rows must be at least 1")
 

@@ -26,6 +26,8 @@ Failure protocol (nothing hangs, no report is written):
 """
 from __future__ import annotations
 
+import dataclasses
+
 import atexit
 import functools
 import heapq
@@ -82,6 +84,21 @@ def shard_assignment(window_refs: Sequence[WindowRef], world_size: int) -> list[
         owner[i] = rank
         heapq.heappush(lightest, (tokens + window_refs[i].window.length, n_windows + 1, rank))
     return owner
+
+
+def shard_plans(plans: Sequence, rank: int, world_size: int) -> list:
+    """The planned batches `rank` scores: greedily, each batch (largest first, as planned) onto the rank
+    with the fewest padded tokens so far; ties to the lower rank. Every rank computes the same split, and
+    the batches are those of one process, so per-token values do not depend on the number of ranks."""
+    assert 0 <= rank < world_size
+    load = [0] * world_size
+    mine = []
+    for plan in plans:
+        owner = min(range(world_size), key=lambda r: (load[r], r))
+        load[owner] += plan.n_rows * plan.seq_len
+        if owner == rank:
+            mine.append(plan)
+    return mine
 
 
 def shard(window_refs: Sequence[WindowRef], rank: int, world_size: int) -> list[WindowRef]:
@@ -251,18 +268,22 @@ class Distributed:
     def all_reduce_sums(self, sums: DeviceSums, n_scored: int) -> None:
         """Sum every rank's DeviceSums in place, once; afterwards each rank holds the job's sums."""
         self.wait_for_peers("to the end of scoring")
-        T = sums.position_nll_sum.shape[0]
-        flat = torch.cat([sums.nll_sum.view(1), sums.position_nll_sum, sums.position_count])   # (1 + 2T,) float64
+        # every float64 sum (nll, by position, by document, ...) in one all-reduce
+        fields = [f.name for f in dataclasses.fields(sums)
+                  if isinstance(getattr(sums, f.name), torch.Tensor) and getattr(sums, f.name).dtype == torch.float64]
+        flat = torch.cat([getattr(sums, name).reshape(-1) for name in fields])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        sums.nll_sum.copy_(flat[0])
-        sums.position_nll_sum.copy_(flat[1:1 + T])
-        sums.position_count.copy_(flat[1 + T:])
+        offset = 0
+        for name in fields:
+            tensor = getattr(sums, name)
+            tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
         if sums.per_token is not None:
             # each slot is scored by exactly one rank: NaN (unscored here) reads as +inf, MIN keeps the score
             merged = torch.where(torch.isnan(sums.per_token), float("inf"), sums.per_token)
             dist.all_reduce(merged, op=dist.ReduceOp.MIN)
             sums.per_token.copy_(torch.where(torch.isinf(merged), float("nan"), merged))
-        assert round(float(flat[1 + T:].sum())) == n_scored, "the ranks' shares do not cover every window once"
+        assert round(float(sums.position_count.sum())) == n_scored, "the ranks' shares do not cover every window once"
 
 
 _active: Optional[Distributed] = None

@@ -1,9 +1,12 @@
 """The evaluation pipeline: corpus -> tokens -> windows -> batches -> device sums -> metrics."""
 from __future__ import annotations
 
+import inspect
 import math
+import os
 import platform
 import sys
+import signal
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -13,20 +16,23 @@ import torch
 
 from . import __version__
 from .accel.batch_size import auto_batch_size
-from .accel.compile import compile_score_fn, use_compile
+from .accel.compile import allow_shapes, compile_score_fn, use_compile
 from .config import EvalConfig
-from .data.batching import WindowRef, make_batch
+from .data.batching import WindowRef, batch_from_plan, make_batch
 from .data.corpus import Document, load_documents
+from .data.packing import padding_waste, plan_batches, resolve_batching, split_rows
 from .data.tokenize import Tokenizer, encode_cached, load_tokenizer
 from .data.windows import chunked_windows, sliding_windows
-from .distributed import init_distributed, shard, stop_all_on_failure
+from .distributed import init_distributed, shard_plans, stop_all_on_failure
 from .engine.cached_sliding import choose_kv_cache, score_cached_sliding
 from .engine.precision import resolve_device, resolve_dtype
 from .engine.fused_loss import fused_loss_available
-from .engine.score import DeviceSums, make_score_fn, score_batches, score_with_backoff
+from .engine.score import DeviceSums, make_score_fn, score_batches, score_plans
 from .errors import FastpplError
+from .metrics import lm_eval_word_count, per_unit_metrics
 from .models import load_model
 from .progress import Progress
+from .resume import KILL_AFTER_BATCHES_ENV, Checkpointer, data_sha256, model_files, run_fingerprint
 
 
 @dataclass
@@ -58,19 +64,25 @@ def plan_windows(config: EvalConfig, streams: list[Stream], ctx: int) -> list[Wi
     return refs
 
 
-def scored_bytes(documents: list[Document], tokens: list[np.ndarray], streams: list[Stream],
-                 refs: list[WindowRef], tokenizer: Tokenizer) -> int:
-    """UTF-8 bytes of the scored text: all of it, less the bytes of the tokens no window scores (sliding:
-    each document's first token without --bos, and with --stride equal to --ctx each window's first)."""
-    total = sum(len(d.text.encode("utf-8")) for d in documents)
+def scored_bytes_by_document(documents: list[Document], tokens: list[np.ndarray], streams: list[Stream],
+                             refs: list[WindowRef], tokenizer: Tokenizer) -> np.ndarray:
+    """(n_documents,) UTF-8 bytes of each document's scored text: all of it, less the bytes of the tokens
+    no window scores (sliding: each document's first token without --bos, and with --stride equal to
+    --ctx each window's first)."""
+    total = np.array([len(d.text.encode("utf-8")) for d in documents], dtype=np.int64)
     scored = [np.zeros(len(t), dtype=bool) for t in tokens]
     for ref in refs:
         w, stream = ref.window, streams[ref.doc]
         first = w.start + w.score_from + 1 - (1 if stream.bos else 0)   # stream index j is token j - bos
         scored[ref.doc][first:first + w.n_scored] = True
-    for ids, mask in zip(tokens, scored):
-        total -= sum(tokenizer.token_n_bytes(ids, int(i)) for i in np.flatnonzero(~mask))
+    for doc, (ids, mask) in enumerate(zip(tokens, scored)):
+        total[doc] -= sum(tokenizer.token_n_bytes(ids, int(i)) for i in np.flatnonzero(~mask))
     return total
+
+
+def takes_document_ids(model: torch.nn.Module) -> bool:
+    """Whether the model's forward can keep packed documents apart (the native architectures can)."""
+    return "document_ids" in inspect.signature(model.forward).parameters
 
 
 def _environment(device: torch.device) -> dict:
@@ -127,9 +139,9 @@ def evaluate(config: EvalConfig) -> dict:
     tokens = [encode_cached(tokenizer, d.text) for d in documents]
     timings["tokenize"] = time.perf_counter() - mark
     n_tokens = sum(len(t) for t in tokens)
-    if n_tokens < 2:
-        raise FastpplError(f"the corpus has {n_tokens} token(s); at least 2 are needed to score anything")
     use_bos = config.window == "chunked" or config.bos
+    if n_tokens < 2:   # a corpus, not a document: one document of a set may well be a single token
+        raise FastpplError(f"the corpus has {n_tokens} token(s); at least 2 are needed; pass a longer text")
     if use_bos and tokenizer.bos_id is None:
         raise FastpplError(f"tokenizer {tokenizer.name!r} has no BOS or end-of-text token to condition on; "
                            "use --window sliding without --bos")
@@ -143,6 +155,15 @@ def evaluate(config: EvalConfig) -> dict:
     n_scored = sum(r.window.n_scored for r in refs)
     if n_scored == 0:
         raise FastpplError("no token can be scored (every document is a single token); add text or use --bos")
+    # documents with nothing to score (empty, or one token when sliding without --bos) are skipped
+    scored_by_window = np.array([r.window.n_scored for r in refs], dtype=np.int64)
+    scored_by_document = np.bincount([r.doc for r in refs], weights=scored_by_window,
+                                     minlength=len(documents)).astype(np.int64)
+    scored_documents = np.flatnonzero(scored_by_document)
+
+    # refs are in plan order (documents in order, windows in order): the window index of the batch plan
+    batching, batching_reason = resolve_batching(config.batching, len(scored_documents), takes_document_ids(model))
+    window_lengths = np.array([r.window.length for r in refs], dtype=np.int64)
 
     mark = time.perf_counter()
     model = model.to(device)
@@ -155,39 +176,61 @@ def evaluate(config: EvalConfig) -> dict:
     compiled, compile_reason = use_compile(config.compile, device, n_scored, loss)
     if compiled:
         score_fn = compile_score_fn(score_fn)
-    # longest first: the first (compiled) shape is the largest, and a memory error shows at once
-    refs.sort(key=lambda r: -r.window.length)
-    # each rank scores its share; batch_size stays that of the whole job, so that the shapes are the same
-    refs_here = shard(refs, dist.rank, dist.world_size) if dist else refs
     stream_ids, target_offsets = [s.ids for s in streams], [s.offset_of_target for s in streams]
-    batch_of = lambda begin, size: make_batch(  # noqa: E731
-        refs_here[begin:begin + size], stream_ids, target_offsets, size, ctx)
     timings["prepare"] = time.perf_counter() - mark
     mark = time.perf_counter()
     if config.batch_size == "auto":
         probe_sums = DeviceSums.zeros(ctx, device)
-        probe_refs = refs[:1]   # every rank probes with the same (longest) window
+        longest = [refs[int(np.argmax(window_lengths))]]   # every rank probes with the same window
         batch_size = auto_batch_size(
-            lambda rows: score_batches(score_fn, [make_batch(probe_refs * rows, stream_ids, target_offsets, rows, ctx)],
+            lambda rows: score_batches(score_fn, [make_batch(longest * rows, stream_ids, target_offsets, rows, ctx)],
                                        probe_sums, device), len(refs), device)
     else:
         batch_size = min(config.batch_size, len(refs))
-
-    use_kv_cache, kv_cache_reason = choose_kv_cache(config.kv_cache, config.window, model)
-
-    sums = DeviceSums.zeros(ctx, device, n_tokens if config.per_token else None)
-    progress = Progress(n_scored, enabled=not config.quiet and (dist is None or dist.is_main))
-    on_batch = lambda b: progress.advance(b.n_scored)  # noqa: E731
-    if dist:
-        on_batch = dist.batch_hook(progress, sum(r.window.n_scored for r in refs_here), n_scored)
-        dist.wait_for_peers("to the start of scoring")   # so that scoring_seconds times the whole job
     timings["choose_batch_size"] = time.perf_counter() - mark
+    plans = plan_batches(window_lengths, batching, ctx, batch_size)
+    if compiled:
+        allow_shapes(len({(p.n_rows, p.seq_len) for p in plans}))
+    # each rank scores its share of the batches; the batches are those of one process
+    plans_here = shard_plans(plans, dist.rank, dist.world_size) if dist else plans
+    use_kv_cache, kv_cache_reason = choose_kv_cache(config.kv_cache, config.window, model)
+    if dist and (use_kv_cache or config.resume):
+        raise FastpplError("--kv-cache on and --resume run in one process only; drop them or run without torchrun")
+
+    sums = DeviceSums.zeros(ctx, device, n_tokens if config.per_token else None, len(documents))
+    checkpointer, start_batch = None, 0
+    if config.resume:
+        fingerprint = run_fingerprint(
+            config.to_dict(), data_sha256=data_sha256(documents), tokenizer_fingerprint=tokenizer.fingerprint,
+            model_files=model_files(config.model), resolved_device=str(device), resolved_dtype=str(dtype),
+            resolved_batching=batching, resolved_batch_size=batch_size, windows=len(refs), fastppl=__version__,
+        )
+        checkpointer = Checkpointer(config.resume, fingerprint, plans, len(refs),
+                                    config.checkpoint_batches, config.checkpoint_seconds)
+        start_batch = checkpointer.load(sums)
+    scored_before = int(sum(scored_by_window[p.windows].sum() for p in plans[:start_batch]))
+    progress = Progress(n_scored, enabled=not config.quiet and (dist is None or dist.is_main))
+    progress.advance(scored_before)
+    kill_after = int(os.environ.get(KILL_AFTER_BATCHES_ENV, "0"))   # tests only: a crash at a chosen batch
+    batches_done = start_batch
+    advance = lambda batch: progress.advance(batch.n_scored)  # noqa: E731
+    if dist:
+        advance = dist.batch_hook(progress, int(sum(scored_by_window[p.windows].sum() for p in plans_here)), n_scored)
+        dist.wait_for_peers("to the start of scoring")   # so that scoring_seconds times the whole job
+
+    def after_batch(batch) -> None:
+        nonlocal batches_done
+        batches_done += 1
+        advance(batch)
+        if checkpointer is not None:
+            checkpointer.after_batch(batches_done, sums)
+        if kill_after and batches_done - start_batch == kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     scoring_started = time.perf_counter()
     if use_kv_cache:
-        if dist:
-            raise FastpplError("--kv-cache on runs in one process only; drop it or run without torchrun")
         # each window runs over its new tokens only (fastppl.engine.cached_sliding)
         score_cached_sliding(
             model, refs, stream_ids, target_offsets, ctx,
@@ -196,20 +239,26 @@ def evaluate(config: EvalConfig) -> dict:
         )
         tokens_forwarded = n_scored
     else:
-        batch_size = score_with_backoff(
-            score_fn, batch_of, len(refs_here), batch_size, sums, device, on_batch=on_batch,
-        )
+        # out of memory: the failing batch is split by rows and scored again (not with --resume, whose
+        # checkpoints count whole batches)
+        score_plans(score_fn, plans_here[start_batch:], lambda p: batch_from_plan(p, refs, stream_ids, target_offsets),
+                    sums, device, on_batch=after_batch, split=None if checkpointer else split_rows)
         tokens_forwarded = sum(r.window.length for r in refs)
     if dist:
         dist.all_reduce_sums(sums, n_scored)
     nll_sum = float(sums.nll_sum.item())   # the run's one host sync
+    if checkpointer is not None and start_batch < len(plans):
+        checkpointer.save(len(plans), sums)   # complete: a rerun gives the result without scoring
     scoring_seconds = time.perf_counter() - scoring_started
     timings["scoring"] = scoring_seconds
     progress.close()
     if not math.isfinite(nll_sum):
         raise FastpplError("the model produced a non-finite loss; try --dtype fp32")
 
-    n_bytes = scored_bytes(documents, tokens, streams, refs, tokenizer)
+    bytes_by_document = scored_bytes_by_document(documents, tokens, streams, refs, tokenizer)
+    words_by_document = np.array([lm_eval_word_count(d.text) for d in documents], dtype=np.int64)
+    n_bytes = int(bytes_by_document[scored_documents].sum())
+    n_words = int(words_by_document[scored_documents].sum())
     nll = nll_sum / n_scored
     counts = sums.position_count.cpu().numpy()
     by_position = np.where(counts > 0, sums.position_nll_sum.cpu().numpy() / np.maximum(counts, 1), np.nan)
@@ -223,8 +272,14 @@ def evaluate(config: EvalConfig) -> dict:
         "bits_per_token": nll / math.log(2),
         "bytes": n_bytes,
         "bits_per_byte": nll_sum / math.log(2) / n_bytes if n_bytes else float("nan"),
+        **per_unit_metrics(nll_sum, n_bytes, n_words),
         "documents": len(documents),
+        "documents_skipped": len(documents) - len(scored_documents),
         "windows": len(refs),
+        "batching": batching,
+        "batching_reason": batching_reason,
+        "batches": len(plans),
+        "padding_waste": padding_waste(plans, window_lengths),
         "ctx": ctx,
         "stride": (config.stride or max(ctx // 2, 1)) if config.window == "sliding" else None,
         "window": config.window,
@@ -238,10 +293,13 @@ def evaluate(config: EvalConfig) -> dict:
         "wall_seconds": wall,
         "scoring_seconds": scoring_seconds,
         "stage_seconds": timings,
-        "tokens_per_second": n_scored / scoring_seconds if scoring_seconds > 0 else float("nan"),
+        "tokens_per_second": (n_scored - scored_before) / scoring_seconds if scoring_seconds > 0 else float("nan"),
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "peak_host_memory_bytes": _peak_host_memory_bytes(),
         "nll_by_position": [None if math.isnan(x) else float(x) for x in by_position],
+        "per_doc_path": config.per_doc,
+        "resumed_from_batch": start_batch if config.resume else None,
+        "windows_scored_this_run": int(sum(len(p.windows) for p in plans[start_batch:])),
         "config": config.to_dict(),
         "environment": _environment(device),
     }
@@ -249,4 +307,11 @@ def evaluate(config: EvalConfig) -> dict:
         result["world_size"] = dist.world_size
     if config.per_token:
         result["_per_token"] = sums.per_token[:-1].cpu().numpy()
+    if config.per_doc:
+        nll_by_document = sums.per_document[:-1].cpu().numpy()
+        result["_per_doc"] = [
+            {"id": documents[d].id, "tokens": int(scored_by_document[d]), "bytes": int(bytes_by_document[d]),
+             "words": int(words_by_document[d]), "nll_sum": float(nll_by_document[d])}
+            for d in scored_documents
+        ]
     return result

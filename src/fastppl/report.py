@@ -57,6 +57,10 @@ def write_json(path: str, result: dict) -> None:
     write_atomic(path, lambda f: (json.dump(result, f, indent=2, allow_nan=True), f.write("\n")))
 
 
+def write_jsonl(path: str, records) -> None:
+    write_atomic(path, lambda f: f.writelines(json.dumps(r) + "\n" for r in records))
+
+
 def write_npy(path: str, array) -> None:
     import numpy as np
     write_atomic(path, lambda f: np.save(f, array), binary=True)
@@ -72,12 +76,18 @@ def summary(result: dict) -> str:
         f" stride={result['stride']}" if result["stride"] else "")
     lines = [
         f"model       {cfg['model']}  ({result['dtype']}, {result['environment']['device_name']})",
-        f"data        {', '.join(cfg['data'])}  split={cfg['split']}  {result['documents']} document(s)",
+        f"data        {', '.join(cfg['data'])}  split={cfg['split']}  {result['documents']} document(s)"
+        + (f" ({result['documents_skipped']} skipped: no token to score)" if result.get("documents_skipped") else ""),
         f"windows     {window}  {result['windows']:,} windows",
+        f"batching    {result['batching']}  {result['batches']:,} batches  "
+        f"padding waste {result['padding_waste']:.1%} (padded tokens / real tokens)"
+        + (f"  resumed after batch {result['resumed_from_batch']:,}" if result.get("resumed_from_batch") else ""),
         f"tokens      {result['tokens_scored']:,} scored of {result['tokens_total']:,}  ({result['bytes']:,} bytes)",
         f"nll         {result['nll']:.6f} nats/token",
         f"perplexity  {result['ppl']:.4f}",
         f"bits/byte   {result['bits_per_byte']:.6f}",
+        f"word ppl    {result['word_perplexity']:.4f}  ({result['words']:,} words)   "
+        f"byte ppl {result['byte_perplexity']:.6f}",
         f"speed       {result['tokens_per_second']:,.0f} tokens/s  ({result['wall_seconds']:.2f} s wall, "
         f"compile {result['compile']}, peak {_bytes(result['peak_memory_bytes'])})",
     ]

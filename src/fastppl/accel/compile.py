@@ -32,3 +32,12 @@ def compile_score_fn(fn):
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
     return torch.compile(fn, dynamic=False)
+
+
+def allow_shapes(n_shapes: int) -> None:
+    """Let the compiled scorer keep one graph per batch shape (bucketed runs have several) instead of
+    falling back to eager after Dynamo's default limit of 8 recompiles."""
+    import torch._dynamo.config as dynamo_config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), n_shapes + 1))

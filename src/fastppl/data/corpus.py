@@ -1,4 +1,5 @@
-"""Corpora: a UTF-8 text file (one document), a .jsonl file (one document per line), or a built-in."""
+"""Corpora: a UTF-8 text file (one document), a .jsonl file (one document per line), a built-in, or a
+document set (a directory of files, a Hugging Face dataset: fastppl.data.document_sets)."""
 from __future__ import annotations
 
 import hashlib
@@ -116,7 +117,8 @@ def builtin_path(name: str, data_dir: Optional[str]) -> Path:
 
 def _jsonl_documents(raw_text: str, path: Path, text_field: str) -> list[Document]:
     documents = []
-    for line_number, line in enumerate(raw_text.splitlines(), start=1):
+    # split on \n only: str.splitlines() also splits on U+2028, U+0085, ... that JSON strings may hold raw
+    for line_number, line in enumerate(raw_text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
@@ -138,6 +140,13 @@ def load_documents(
     data_dir: Optional[str] = None, errors: str = "strict",
 ) -> list[Document]:
     """Documents of one --data argument. A split applies to a single text (train/val of its characters)."""
+    if source.startswith("hf:") or Path(source).is_dir():
+        from .document_sets import directory_documents, hf_documents
+        if split != "all":
+            raise FastpplError(f"--split {split} applies to a single text; use --split all with {source}")
+        if source.startswith("hf:"):
+            return hf_documents(source, text_field)
+        return directory_documents(Path(source), errors)
     if source in BUILTINS:
         path = builtin_path(source, data_dir)
         text = decode_utf8(read_bytes(path), str(path), errors)

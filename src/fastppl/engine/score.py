@@ -5,7 +5,8 @@ accumulate in device tensors, and the caller reads them once at the end (one hos
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from collections import deque
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -13,19 +14,27 @@ import torch.nn as nn
 from ..data.batching import Batch
 from .loss import chunked_token_nll, token_nll_fn
 
-ScoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (input_ids, targets, score_mask[, position_ids, document_ids]) -> (B, T) NLL
+ScoreFn = Callable[..., torch.Tensor]
 
 
 def make_score_fn(model: nn.Module, chunk_rows: int = 8192, loss: str = "chunked") -> ScoreFn:
     """(input_ids, targets, score_mask), each (B, T) -> (B, T) fp32 NLL, 0 where not scored.
-    loss: "chunked" (any device) or "fused" (the Triton kernel, CUDA)."""
+    loss: "chunked" (any device) or "fused" (the Triton kernel, CUDA). Packed rows also pass
+    position_ids and document_ids (B, T), which go to the model as they are."""
     weight = model.lm_head.weight
     bias = getattr(model.lm_head, "bias", None)
     token_nll = token_nll_fn(loss, chunk_rows)
 
-    def score(input_ids: torch.Tensor, targets: torch.Tensor, score_mask: torch.Tensor) -> torch.Tensor:
+    def score(
+        input_ids: torch.Tensor, targets: torch.Tensor, score_mask: torch.Tensor,
+        position_ids: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         B, T = input_ids.shape
-        hidden = model(input_ids)                                        # (B, T, C)
+        if document_ids is None:
+            hidden = model(input_ids)                                    # (B, T, C)
+        else:
+            hidden = model(input_ids, position_ids, document_ids)        # (B, T, C)
         nll = token_nll(hidden.reshape(B * T, -1), weight, targets.reshape(B * T), bias)
         return torch.where(score_mask, nll.view(B, T), 0.0)
 
@@ -39,17 +48,23 @@ class DeviceSums:
     position_nll_sum: torch.Tensor             # (T,) float64: by position inside the window
     position_count: torch.Tensor               # (T,) float64
     per_token: Optional[torch.Tensor] = None   # (n_tokens + 1,) fp32, NaN where unscored; last slot is a sink
+    per_document: Optional[torch.Tensor] = None  # (n_documents + 1,) float64 NLL sums; last slot is a sink
 
     @classmethod
-    def zeros(cls, seq_len: int, device: torch.device, n_tokens: Optional[int] = None) -> "DeviceSums":
+    def zeros(
+        cls, seq_len: int, device: torch.device, n_tokens: Optional[int] = None, n_documents: Optional[int] = None,
+    ) -> "DeviceSums":
         per_token = None
         if n_tokens is not None:
             per_token = torch.full((n_tokens + 1,), float("nan"), dtype=torch.float32, device=device)
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.float64, device=device)  # noqa: E731
-        return cls(zeros(), zeros(seq_len), zeros(seq_len), per_token)
+        per_document = zeros(n_documents + 1) if n_documents is not None else None
+        return cls(zeros(), zeros(seq_len), zeros(seq_len), per_token, per_document)
 
 
-def _to_device(array, device: torch.device) -> torch.Tensor:
+def _to_device(array, device: torch.device) -> Optional[torch.Tensor]:
+    if array is None:
+        return None
     tensor = torch.from_numpy(array)
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
@@ -65,10 +80,26 @@ def score_batches(
         input_ids = _to_device(batch.input_ids, device)
         targets = _to_device(batch.targets, device)
         score_mask = _to_device(batch.score_mask, device)
-        nll = score_fn(input_ids, targets, score_mask)                   # (B, T) fp32
+        position_ids = _to_device(batch.position_ids, device)
+        document_ids = _to_device(batch.document_ids, device)
+        # unpacked batches call score_fn with three arguments, as any scorer of (B, T) rows takes
+        packed = () if document_ids is None else (position_ids, document_ids)
+        nll = score_fn(input_ids, targets, score_mask, *packed)         # (B, T) fp32
         sums.nll_sum += nll.sum(dtype=torch.float64)
-        sums.position_nll_sum += nll.sum(dim=0, dtype=torch.float64)
-        sums.position_count += score_mask.sum(dim=0, dtype=torch.float64)
+        flat_nll = nll.view(-1).double()                                # (B * T,) for the scatter-adds
+        if position_ids is None:   # column == position inside the window; T < ctx when bucketed
+            T = nll.shape[1]
+            sums.position_nll_sum[:T] += nll.sum(dim=0, dtype=torch.float64)
+            sums.position_count[:T] += score_mask.sum(dim=0, dtype=torch.float64)
+        else:
+            positions = position_ids.view(-1)
+            sums.position_nll_sum.index_add_(0, positions, flat_nll)
+            sums.position_count.index_add_(0, positions, score_mask.view(-1).double())
+        if sums.per_document is not None and batch.target_document is not None:
+            sink = sums.per_document.shape[0] - 1
+            document = _to_device(batch.target_document, device).view(-1)
+            # a scatter-add on the device, no host sync; unscored slots add their 0 to the sink
+            sums.per_document.index_add_(0, torch.where(document >= 0, document, sink), flat_nll)
         if sums.per_token is not None:
             sink = sums.per_token.shape[0] - 1
             index = _to_device(batch.token_index, device).view(-1)
@@ -83,29 +114,33 @@ def _is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
-def score_with_backoff(
-    score_fn: ScoreFn, make_batch: Callable[[int, int], Batch], n_windows: int, batch_size: int,
-    sums: DeviceSums, device: torch.device, on_batch: Optional[Callable[[Batch], None]] = None,
+def score_plans(
+    score_fn: ScoreFn, plans: Sequence, build: Callable[[object], Batch], sums: DeviceSums, device: torch.device,
+    on_batch: Optional[Callable[[Batch], None]] = None,
+    split: Optional[Callable[[object, int], list]] = None,
     on_backoff: Optional[Callable[[int], None]] = None,
 ) -> int:
-    """Score windows [0, n_windows) in batches of batch_size; on out-of-memory halve the batch size and
-    score the same windows again. The sums are only touched after a batch's scores exist, so a failed
-    batch adds nothing: no window is lost or counted twice. Returns the batch size that was used last.
-    make_batch(begin, size) builds the batch of windows begin .. begin+size-1 (padded to size rows)."""
-    begin = 0
-    while begin < n_windows:
-        batch = make_batch(begin, batch_size)
+    """Score planned batches in order. On out-of-memory (when split is given) the failing batch is cut
+    into halves by rows (split(plan, max_rows)) and every later batch is cut to that size too. The sums
+    are only touched after a batch's scores exist, so a failed batch adds nothing: no window is lost or
+    counted twice. Returns the largest number of rows that was used last (0 if nothing was scored)."""
+    queue = deque(plans)
+    max_rows = None
+    while queue:
+        plan = queue.popleft()
+        if max_rows is not None and plan.n_rows > max_rows:
+            queue.extendleft(reversed(split(plan, max_rows)))
+            continue
         try:
-            score_batches(score_fn, [batch], sums, device, on_batch)
+            score_batches(score_fn, [build(plan)], sums, device, on_batch)
         except RuntimeError as error:
-            if not _is_out_of_memory(error) or batch_size == 1:
+            if split is None or not _is_out_of_memory(error) or plan.n_rows == 1:
                 raise
             del error
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            batch_size //= 2
+            max_rows = max(plan.n_rows // 2, 1)
             if on_backoff is not None:
-                on_backoff(batch_size)
-            continue
-        begin += batch.n_windows
-    return batch_size
+                on_backoff(max_rows)
+            queue.appendleft(plan)
+    return max_rows or 0

@@ -1,8 +1,11 @@
 """Causal self-attention shared by the architectures, optionally restricted to one document per
-span of a packed row (document_ids), so that packed documents never attend to each other."""
+span of a packed row (document_ids), so that packed documents never attend to each other.
+
+On CUDA a document mask runs through FlexAttention with a block mask, which skips the blocks that lie
+wholly outside every document; elsewhere it is a boolean (B, 1, T, T) mask for SDPA."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +19,8 @@ def causal_attention(
     enable_gqa = k.shape[1] != q.shape[1]
     if document_ids is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
+    if q.device.type == "cuda":
+        return flex_document_attention(q, k, v, document_ids, _flex_attention_fn())
     T = q.shape[2]
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     same_document = document_ids[:, :, None] == document_ids[:, None, :]          # (B, T, T)
@@ -42,3 +47,47 @@ def masked_attention(
     mask = mask.repeat(1, 1, g, 1) if T > 1 else mask                           # (B, 1, g*T or 1, L)
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)                 # (B, nkv, g*T, hs)
     return y.view(B, nh, T, hs)
+
+
+# The block mask of the last document_ids seen: every layer of one forward passes the same tensor, so it is
+# built once per forward, not once per layer. The cache keeps the tensor alive, so `is` cannot be fooled
+# by a new tensor at a reused address; document_ids are never written in place.
+_last_block_mask: list = []
+_compiled_flex_attention: list = []
+
+
+def _flex_attention_fn() -> Callable:
+    """flex_attention itself inside a compiled scorer; compiled on its own otherwise (eager flex_attention
+    is an unfused reference that materialises the (T, T) scores)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    if torch.compiler.is_compiling():
+        return flex_attention
+    if not _compiled_flex_attention:
+        _compiled_flex_attention.append(torch.compile(flex_attention, dynamic=False))
+    return _compiled_flex_attention[0]
+
+
+def document_block_mask(document_ids: torch.Tensor):
+    """FlexAttention BlockMask: causal, and only within equal document ids (B, T); shared by all heads."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    caching = not torch.compiler.is_compiling()
+    if caching and _last_block_mask and _last_block_mask[0] is document_ids:
+        return _last_block_mask[1]
+    B, T = document_ids.shape
+
+    def same_document_causal(b, h, q_index, kv_index):
+        return (q_index >= kv_index) & (document_ids[b, q_index] == document_ids[b, kv_index])
+
+    block_mask = create_block_mask(same_document_causal, B, None, T, T, device=document_ids.device)
+    if caching:
+        _last_block_mask[:] = [document_ids, block_mask]
+    return block_mask
+
+
+def flex_document_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor, flex_attention_fn: Callable,
+) -> torch.Tensor:
+    """(B, nh, T, hs) causal attention within documents through FlexAttention (any device the function runs
+    on; tests call it on the CPU with the eager reference)."""
+    block_mask = document_block_mask(document_ids)
+    return flex_attention_fn(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])

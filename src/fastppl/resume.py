@@ -1,0 +1,138 @@
+"""Resumable runs (--resume DIR): the running float64 sums and the set of finished windows, saved atomically.
+
+A run's batches are a deterministic function of its arguments (fastppl.data.packing), so "the first k
+batches" names the same windows in every run with the same arguments. A checkpoint holds the sums after
+exactly k batches; a resumed run loads them and scores batches k, k+1, ... as the uninterrupted run would,
+so it adds the same float64 values in the same order and ends with exactly the same result. Windows scored
+after the last checkpoint of a killed run are scored again (their sums died with the process); no window is
+ever counted twice. The checkpoint also records the arguments (a fingerprint), and refuses other ones.
+
+DIR/checkpoint.npz: arrays of DeviceSums, `finished_windows` (bool, by window index) and `meta` (JSON text).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from .data.packing import BatchPlan
+from .engine.score import DeviceSums
+from .errors import FastpplError
+from .report import write_atomic
+
+CHECKPOINT_FILE = "checkpoint.npz"
+FORMAT_VERSION = 1
+# EvalConfig fields that do not change what is computed: where results go and how often to checkpoint
+NOT_IN_FINGERPRINT = ("quiet", "resume", "per_doc", "checkpoint_seconds", "checkpoint_batches")
+SUM_FIELDS = ("nll_sum", "position_nll_sum", "position_count", "per_token", "per_document")
+KILL_AFTER_BATCHES_ENV = "FASTPPL_TEST_SIGKILL_AFTER_BATCHES"   # tests: SIGKILL itself after this many batches
+
+
+def data_sha256(documents) -> str:
+    h = hashlib.sha256()
+    for document in documents:
+        for part in (document.id, document.text):
+            raw = part.encode("utf-8", errors="surrogatepass")
+            h.update(len(raw).to_bytes(8, "little"))
+            h.update(raw)
+    return h.hexdigest()
+
+
+def model_files(spec: str) -> Optional[list]:
+    """(name, size, mtime) of a local checkpoint directory's files: a retrained model at the same path differs."""
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        return None
+    return [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(path.iterdir()) if p.is_file()]
+
+
+def run_fingerprint(config_dict: dict, **derived) -> dict:
+    """What must match for a checkpoint to be resumed: the arguments and what they resolved to."""
+    fingerprint = {k: v for k, v in config_dict.items() if k not in NOT_IN_FINGERPRINT}
+    assert not set(derived) & set(fingerprint), "a derived value would hide an argument"
+    fingerprint["per_token"] = bool(fingerprint.get("per_token"))   # the path may move, the buffer may not
+    fingerprint.update(derived)
+    fingerprint["format"] = FORMAT_VERSION
+    return json.loads(json.dumps(fingerprint))   # tuples -> lists, so that it compares with a loaded one
+
+
+def finished_windows(plans: Sequence[BatchPlan], n_batches: int, n_windows: int) -> np.ndarray:
+    finished = np.zeros(n_windows, dtype=bool)
+    for plan in plans[:n_batches]:
+        finished[plan.windows] = True
+    return finished
+
+
+class Checkpointer:
+    """Saves DIR/checkpoint.npz every `every_batches` batches and every `every_seconds` seconds."""
+
+    def __init__(self, directory: str, fingerprint: dict, plans: Sequence[BatchPlan], n_windows: int,
+                 every_batches: Optional[int], every_seconds: float):
+        self.directory = Path(directory).expanduser()
+        if self.directory.exists() and not self.directory.is_dir():
+            raise FastpplError(f"--resume {directory}: is a file; give a directory for the checkpoint")
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise FastpplError(f"--resume {directory}: cannot create the directory ({e.strerror})") from None
+        self.path = self.directory / CHECKPOINT_FILE
+        self.fingerprint = fingerprint
+        self.plans = plans
+        self.n_windows = n_windows
+        self.every_batches = every_batches
+        self.every_seconds = every_seconds
+        self.last_saved = time.monotonic()
+
+    def load(self, sums: DeviceSums) -> int:
+        """Restore sums from the checkpoint; the number of batches already done (0 without a checkpoint)."""
+        if not self.path.exists():
+            return 0
+        try:
+            with np.load(self.path, allow_pickle=False) as stored:
+                arrays = {name: stored[name] for name in stored.files}
+            meta = json.loads(str(arrays.pop("meta")))
+        except (OSError, ValueError, KeyError) as e:
+            raise FastpplError(f"{self.path}: is not a readable fastppl checkpoint ({e}); delete it to start over") from None
+        saved = meta.get("fingerprint", {})
+        if saved != self.fingerprint:
+            differing = sorted(k for k in set(saved) | set(self.fingerprint) if saved.get(k) != self.fingerprint.get(k))
+            details = "; ".join(f"{k}: {saved.get(k)!r} then, {self.fingerprint.get(k)!r} now" for k in differing[:4])
+            raise FastpplError(
+                f"--resume {self.directory}: its checkpoint was made with other arguments ({details}); "
+                "rerun with the same arguments, or give another --resume directory"
+            )
+        done = int(meta["batches_done"])
+        expected = finished_windows(self.plans, done, self.n_windows)
+        if done > len(self.plans) or not np.array_equal(arrays.pop("finished_windows"), expected):
+            raise FastpplError(f"{self.path}: its finished windows do not match this run's plan; delete it to start over")
+        for name in SUM_FIELDS:
+            tensor = getattr(sums, name)
+            assert (tensor is None) == (name not in arrays), f"checkpoint and run disagree on {name}"
+            if tensor is not None:
+                tensor.copy_(torch.from_numpy(arrays[name]).reshape(tensor.shape))
+        return done
+
+    def save(self, batches_done: int, sums: DeviceSums) -> None:
+        """Host copies of the sums (a device sync) written beside the checkpoint, then renamed over it."""
+        arrays = {name: getattr(sums, name).cpu().numpy() for name in SUM_FIELDS if getattr(sums, name) is not None}
+        arrays["finished_windows"] = finished_windows(self.plans, batches_done, self.n_windows)
+        meta = {"fingerprint": self.fingerprint, "batches_done": batches_done, "batches": len(self.plans)}
+        arrays["meta"] = np.array(json.dumps(meta))
+
+        def write(f):
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())   # the rename must not land before the data does
+        write_atomic(str(self.path), write, binary=True)
+        self.last_saved = time.monotonic()
+
+    def after_batch(self, batches_done: int, sums: DeviceSums) -> None:
+        due_by_count = self.every_batches and batches_done % self.every_batches == 0
+        if due_by_count or time.monotonic() - self.last_saved >= self.every_seconds:
+            self.save(batches_done, sums)

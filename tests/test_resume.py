@@ -1,0 +1,114 @@
+"""--resume: a run killed with SIGKILL at random batches and started again ends with exactly the result of an
+uninterrupted run, counting no window twice; a checkpoint of other arguments is refused."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fastppl.cli import main
+from fastppl.resume import CHECKPOINT_FILE, KILL_AFTER_BATCHES_ENV
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+# everything a resumed run must reproduce bit for bit
+EXACT_FIELDS = ("nll_sum", "nll", "ppl", "tokens_scored", "bytes", "words", "word_perplexity", "byte_perplexity",
+                "bits_per_byte", "nll_by_position", "windows", "batches", "padding_waste")
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory, shakespeare):
+    directory = tmp_path_factory.mktemp("resume-docs")
+    text = shakespeare.read_text()
+    rng = random.Random(0)
+    for i in range(16):   # 10 to 300 tokens or so: short documents and ones longer than ctx
+        begin = rng.randrange(0, len(text) - 2000)
+        (directory / f"{i:02d}.txt").write_text(text[begin:begin + rng.randrange(40, 1200)])
+    return directory
+
+
+def eval_args(tokenizer_dir, corpus_dir, out_dir: Path, *extra):
+    return ["eval", "--model", "random:gpt2-tiny", "--tokenizer", str(tokenizer_dir), "--data", str(corpus_dir),
+            "--ctx", "64", "--device", "cpu", "--quiet", "--batch-size", "2", "--json", str(out_dir / "r.json"),
+            "--per-doc", str(out_dir / "docs.jsonl"), "--per-token", str(out_dir / "tokens.npy"), *extra]
+
+
+def run_cli(args, kill_after=None):
+    env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1")
+    env.pop(KILL_AFTER_BATCHES_ENV, None)
+    if kill_after is not None:
+        env[KILL_AFTER_BATCHES_ENV] = str(kill_after)
+    return subprocess.run([sys.executable, "-m", "fastppl", *args], env=env, capture_output=True, text=True, timeout=300)
+
+
+def checkpoint_meta(directory: Path) -> tuple[dict, np.ndarray]:
+    with np.load(directory / CHECKPOINT_FILE) as stored:
+        return json.loads(str(stored["meta"])), stored["finished_windows"]
+
+
+def test_killed_at_random_batches_then_resumed_gives_exactly_the_uninterrupted_result(tokenizer_dir, corpus_dir, tmp_path):
+    reference_dir, resumed_dir, checkpoint_dir = (tmp_path / name for name in ("reference", "resumed", "ckpt"))
+    reference_dir.mkdir()
+    resumed_dir.mkdir()
+    assert main(eval_args(tokenizer_dir, corpus_dir, reference_dir)) == 0
+    reference = json.loads((reference_dir / "r.json").read_text())
+    n_batches = reference["batches"]
+    assert n_batches >= 12 and reference["batching"] == "packed"
+
+    rng = random.Random(20261202)
+    # checkpoints every 3 batches and never by time, so kills fall between checkpoints too
+    resume = ("--resume", str(checkpoint_dir), "--checkpoint-batches", "3", "--checkpoint-seconds", "1e9")
+    done = 0
+    for _ in range(2):   # killed twice at random batches, then left to finish
+        kill_after = rng.randint(3, (n_batches - done) // 2)
+        killed = run_cli(eval_args(tokenizer_dir, corpus_dir, resumed_dir, *resume), kill_after)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr
+        assert not (resumed_dir / "r.json").exists()         # no result from a killed run
+        meta, finished = checkpoint_meta(checkpoint_dir)
+        assert meta["batches_done"] == (done + kill_after) // 3 * 3   # the last checkpoint before the kill
+        done = meta["batches_done"]
+
+    meta, finished = checkpoint_meta(checkpoint_dir)
+    final = run_cli(eval_args(tokenizer_dir, corpus_dir, resumed_dir, *resume))
+    assert final.returncode == 0, final.stderr
+    resumed = json.loads((resumed_dir / "r.json").read_text())
+    for field in EXACT_FIELDS:
+        assert resumed[field] == reference[field], field
+    assert (resumed_dir / "docs.jsonl").read_text() == (reference_dir / "docs.jsonl").read_text()
+    assert np.array_equal(np.load(resumed_dir / "tokens.npy"), np.load(reference_dir / "tokens.npy"), equal_nan=True)
+    # the last run scored exactly the windows the checkpoint had not finished
+    assert resumed["resumed_from_batch"] == meta["batches_done"]
+    assert resumed["windows_scored_this_run"] == reference["windows"] - int(finished.sum())
+    meta, finished = checkpoint_meta(checkpoint_dir)
+    assert meta["batches_done"] == n_batches and finished.all()
+
+
+def test_finished_checkpoint_reruns_without_scoring_and_other_arguments_are_refused(
+        tokenizer_dir, corpus_dir, tmp_path, capsys):
+    checkpoint_dir = tmp_path / "ckpt"
+    args = eval_args(tokenizer_dir, corpus_dir, tmp_path, "--resume", str(checkpoint_dir))
+    assert main(args) == 0
+    first = json.loads((tmp_path / "r.json").read_text())
+    assert first["resumed_from_batch"] == 0 and first["windows_scored_this_run"] == first["windows"]
+    assert main(args) == 0
+    again = json.loads((tmp_path / "r.json").read_text())
+    assert again["windows_scored_this_run"] == 0 and again["resumed_from_batch"] == first["batches"]
+    assert all(again[field] == first[field] for field in EXACT_FIELDS)
+
+    capsys.readouterr()
+    assert main(args[:args.index("--batch-size")] + ["--batch-size", "3"] + args[args.index("--batch-size") + 2:]) == 2
+    error = capsys.readouterr().err
+    assert "other arguments" in error and "batch_size: 2 then, 3 now" in error and "Traceback" not in error
+
+    (checkpoint_dir / CHECKPOINT_FILE).write_bytes(b"not a checkpoint")
+    assert main(args) == 2
+    assert "is not a readable fastppl checkpoint" in capsys.readouterr().err
+
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("x")
+    assert main(eval_args(tokenizer_dir, corpus_dir, tmp_path, "--resume", str(not_a_directory))) == 2
+    assert "is a file" in capsys.readouterr().err
