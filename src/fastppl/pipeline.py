@@ -139,6 +139,10 @@ def evaluate(config: EvalConfig) -> dict:
     nll = nll_sum / n_scored
     counts = sums.position_count.cpu().numpy()
     by_position = np.where(counts > 0, sums.position_nll_sum.cpu().numpy() / np.maximum(counts, 1), np.nan)
+    # population standard deviation of the token NLLs at each position: E[x^2] - E[x]^2, clipped at 0
+    # where float64 rounding makes a near-constant position's variance slightly negative
+    mean_square = np.where(counts > 0, sums.position_nll_sq_sum.cpu().numpy() / np.maximum(counts, 1), np.nan)
+    std_by_position = np.sqrt(np.maximum(mean_square - by_position ** 2, 0.0))
     wall = time.perf_counter() - started
     result = {
         "nll": nll,
@@ -161,6 +165,8 @@ def evaluate(config: EvalConfig) -> dict:
         "tokens_per_second": n_scored / scoring_seconds if scoring_seconds > 0 else float("nan"),
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "nll_by_position": [None if math.isnan(x) else float(x) for x in by_position],
+        "nll_by_position_std": [None if math.isnan(x) else float(x) for x in std_by_position],
+        "tokens_by_position": [int(c) for c in counts],
         "config": config.to_dict(),
         "environment": _environment(device),
     }

@@ -36,6 +36,7 @@ class DeviceSums:
     nll_sum: torch.Tensor                      # () float64
     position_nll_sum: torch.Tensor             # (T,) float64: by position inside the window
     position_count: torch.Tensor               # (T,) float64
+    position_nll_sq_sum: torch.Tensor          # (T,) float64: sum of squared NLL, for the spread by position
     per_token: Optional[torch.Tensor] = None   # (n_tokens + 1,) fp32, NaN where unscored; last slot is a sink
 
     @classmethod
@@ -44,7 +45,7 @@ class DeviceSums:
         if n_tokens is not None:
             per_token = torch.full((n_tokens + 1,), float("nan"), dtype=torch.float32, device=device)
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.float64, device=device)  # noqa: E731
-        return cls(zeros(), zeros(seq_len), zeros(seq_len), per_token)
+        return cls(zeros(), zeros(seq_len), zeros(seq_len), zeros(seq_len), per_token)
 
 
 def _to_device(array, device: torch.device) -> torch.Tensor:
@@ -67,6 +68,8 @@ def score_batches(
         sums.nll_sum += nll.sum(dtype=torch.float64)
         sums.position_nll_sum += nll.sum(dim=0, dtype=torch.float64)
         sums.position_count += score_mask.sum(dim=0, dtype=torch.float64)
+        nll64 = nll.double()                        # an fp32 value squared is exact in float64
+        sums.position_nll_sq_sum += (nll64 * nll64).sum(dim=0)
         if sums.per_token is not None:
             sink = sums.per_token.shape[0] - 1
             index = _to_device(batch.token_index, device).view(-1)
