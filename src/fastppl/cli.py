@@ -33,6 +33,7 @@ def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="write the full report here")
     p.add_argument("--per-token", help="write per-token NLL here (.npy float32, NaN where unscored)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--plot", help="draw the loss by window position here (.png, .svg or .pdf; needs fastppl[plot])")
 
 
 def _config_from_args(args: argparse.Namespace):
@@ -53,13 +54,38 @@ def run_eval(args: argparse.Namespace) -> int:
     for flag, path in (("--json", args.json), ("--per-token", args.per_token)):
         if path:
             check_writable(path, flag)
+    if args.plot:
+        from .plot import check_plot_path
+        check_plot_path(args.plot)
     result = evaluate(_config_from_args(args))
     per_token = result.pop("_per_token", None)
     if args.per_token:
         write_npy(args.per_token, per_token)
     if args.json:
         write_json(args.json, result)
+    if args.plot:
+        from .plot import write_loss_by_position
+        write_loss_by_position(args.plot, result)
     print(summary(result))
+    return 0
+
+
+def _add_compare_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("runs", nargs="*", metavar="RUN.json", help="reports written by eval --json")
+    p.add_argument("--per-doc", nargs="+", metavar="DOCS.jsonl",
+                   help="per-document results written by eval --per-doc (default: the reports' per_doc_path)")
+    p.add_argument("--plot", help="overlay the runs' loss by position (and per-document NLL) here")
+    p.add_argument("--markdown", action="store_true", help="print Markdown tables")
+    p.add_argument("--force", action="store_true", help="compare runs of different corpora or token counts")
+    p.add_argument("--worst", type=int, default=5, help="worst documents to name per run")
+    p.add_argument("--min-doc-tokens", type=int, default=10,
+                   help="leave shorter documents out of the per-document statistics")
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from .compare import compare
+    print(compare(args.runs, args.per_doc or (), args.plot, args.markdown, args.force, args.worst,
+                  args.min_doc_tokens))
     return 0
 
 
@@ -69,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     eval_parser = sub.add_parser("eval", help="NLL, perplexity and bits per byte of a model over a corpus")
     _add_eval_arguments(eval_parser)
     eval_parser.set_defaults(run=run_eval)
+    compare_parser = sub.add_parser("compare", help="runs side by side, with differences against the first")
+    _add_compare_arguments(compare_parser)
+    compare_parser.set_defaults(run=run_compare)
     return parser
 
 
