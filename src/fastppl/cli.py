@@ -63,6 +63,7 @@ def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", metavar="DIR", help="checkpoint into DIR, and resume from the checkpoint found there")
     p.add_argument("--checkpoint-seconds", type=float, default=60.0, help="with --resume: checkpoint at least this often")
     p.add_argument("--checkpoint-batches", type=int, help="with --resume: also checkpoint every this many batches")
+    p.add_argument("--plot", help="draw the loss by window position here (.png, .svg or .pdf; needs fastppl[plot])")
 
 
 def _config_from_args(args: argparse.Namespace):
@@ -96,6 +97,9 @@ def run_eval(args: argparse.Namespace) -> int:
 
     config = _config_from_args(args)
     check_outputs()
+    if args.plot and is_main_process():
+        from .plot import check_plot_path
+        check_plot_path(args.plot)
     result = evaluate(config)
     if not is_main_process():
         return 0   # only rank 0 prints and writes
@@ -107,6 +111,9 @@ def run_eval(args: argparse.Namespace) -> int:
         write_jsonl(args.per_doc, per_doc)
     if args.json:
         write_json(args.json, result)
+    if args.plot:
+        from .plot import write_loss_by_position
+        write_loss_by_position(args.plot, result)
     print(summary(result))
     return 0
 
@@ -169,6 +176,26 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, result)
     print(generation_summary(result))
+
+    return 0
+
+
+def _add_compare_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("runs", nargs="*", metavar="RUN.json", help="reports written by eval --json")
+    p.add_argument("--per-doc", nargs="+", metavar="DOCS.jsonl",
+                   help="per-document results written by eval --per-doc (default: the reports' per_doc_path)")
+    p.add_argument("--plot", help="overlay the runs' loss by position (and per-document NLL) here")
+    p.add_argument("--markdown", action="store_true", help="print Markdown tables")
+    p.add_argument("--force", action="store_true", help="compare runs of different corpora or token counts")
+    p.add_argument("--worst", type=int, default=5, help="worst documents to name per run")
+    p.add_argument("--min-doc-tokens", type=int, default=10,
+                   help="leave shorter documents out of the per-document statistics")
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from .compare import compare
+    print(compare(args.runs, args.per_doc or (), args.plot, args.markdown, args.force, args.worst,
+                  args.min_doc_tokens))
     return 0
 
 
@@ -200,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate_parser = sub.add_parser("generate", help="continue prompts with a native model and a static KV cache")
     _add_generate_arguments(generate_parser)
     generate_parser.set_defaults(run=run_generate)
+
+    compare_parser = sub.add_parser("compare", help="runs side by side, with differences against the first")
+    _add_compare_arguments(compare_parser)
+    compare_parser.set_defaults(run=run_compare)
     return parser
 
 

@@ -262,6 +262,10 @@ def evaluate(config: EvalConfig) -> dict:
     nll = nll_sum / n_scored
     counts = sums.position_count.cpu().numpy()
     by_position = np.where(counts > 0, sums.position_nll_sum.cpu().numpy() / np.maximum(counts, 1), np.nan)
+    # population standard deviation of the token NLLs at each position: E[x^2] - E[x]^2, clipped at 0
+    # where float64 rounding makes a near-constant position's variance slightly negative
+    mean_square = np.where(counts > 0, sums.position_nll_sq_sum.cpu().numpy() / np.maximum(counts, 1), np.nan)
+    std_by_position = np.sqrt(np.maximum(mean_square - by_position ** 2, 0.0))
     wall = time.perf_counter() - started
     result = {
         "nll": nll,
@@ -300,6 +304,8 @@ def evaluate(config: EvalConfig) -> dict:
         "per_doc_path": config.per_doc,
         "resumed_from_batch": start_batch if config.resume else None,
         "windows_scored_this_run": int(sum(len(p.windows) for p in plans[start_batch:])),
+        "nll_by_position_std": [None if math.isnan(x) else float(x) for x in std_by_position],
+        "tokens_by_position": [int(c) for c in counts],
         "config": config.to_dict(),
         "environment": _environment(device),
     }

@@ -47,6 +47,7 @@ class DeviceSums:
     nll_sum: torch.Tensor                      # () float64
     position_nll_sum: torch.Tensor             # (T,) float64: by position inside the window
     position_count: torch.Tensor               # (T,) float64
+    position_nll_sq_sum: torch.Tensor          # (T,) float64: sum of squared NLL, for the spread by position
     per_token: Optional[torch.Tensor] = None   # (n_tokens + 1,) fp32, NaN where unscored; last slot is a sink
     per_document: Optional[torch.Tensor] = None  # (n_documents + 1,) float64 NLL sums; last slot is a sink
 
@@ -59,7 +60,7 @@ class DeviceSums:
             per_token = torch.full((n_tokens + 1,), float("nan"), dtype=torch.float32, device=device)
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.float64, device=device)  # noqa: E731
         per_document = zeros(n_documents + 1) if n_documents is not None else None
-        return cls(zeros(), zeros(seq_len), zeros(seq_len), per_token, per_document)
+        return cls(zeros(), zeros(seq_len), zeros(seq_len), zeros(seq_len), per_token, per_document)
 
 
 def _to_device(array, device: torch.device) -> Optional[torch.Tensor]:
@@ -91,10 +92,12 @@ def score_batches(
             T = nll.shape[1]
             sums.position_nll_sum[:T] += nll.sum(dim=0, dtype=torch.float64)
             sums.position_count[:T] += score_mask.sum(dim=0, dtype=torch.float64)
+            sums.position_nll_sq_sum[:T] += (flat_nll * flat_nll).view_as(nll).sum(dim=0)  # fp32 squared: exact in float64
         else:
             positions = position_ids.view(-1)
             sums.position_nll_sum.index_add_(0, positions, flat_nll)
             sums.position_count.index_add_(0, positions, score_mask.view(-1).double())
+            sums.position_nll_sq_sum.index_add_(0, positions, flat_nll * flat_nll)
         if sums.per_document is not None and batch.target_document is not None:
             sink = sums.per_document.shape[0] - 1
             document = _to_device(batch.target_document, device).view(-1)

@@ -1,0 +1,303 @@
+"""`fastppl compare`: runs side by side (from `eval --json` reports) and per-document results (from
+`eval --per-doc`), as a table with differences against the first run, and optionally one figure.
+
+Runs are comparable when they scored the same corpus (same data names and split) and the same number
+of tokens; otherwise their NLLs average over different things and a difference means nothing, so
+compare refuses them unless --force. Per-document files are comparable when they hold the same
+documents with the same token counts."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .errors import FastpplError
+# fastppl.plot imports matplotlib only inside the functions that draw
+from .plot import check_plot_path, comparison_figure, corpus_label, model_label, save_figure
+
+REQUIRED_RUN_FIELDS = ("nll", "ppl", "tokens_scored", "config")
+REQUIRED_DOC_FIELDS = ("id", "tokens", "nll_sum")
+
+
+@dataclass
+class Run:
+    path: str
+    label: str          # shown in the table and the legend: the file's stem, unless two stems clash
+    result: dict
+
+
+@dataclass(frozen=True)
+class DocResult:
+    id: str
+    tokens: int
+    nll_sum: float
+    bytes: Optional[int] = None
+
+    @property
+    def nll(self) -> float:
+        return self.nll_sum / self.tokens
+
+    @property
+    def bits_per_byte(self) -> float:
+        return self.nll_sum / math.log(2) / self.bytes if self.bytes else math.nan
+
+
+def _labels(paths: Sequence[str]) -> list[str]:
+    stems = [Path(p).stem for p in paths]
+    return stems if len(set(stems)) == len(stems) else list(paths)
+
+
+def _read_text(path: str, what: str) -> str:
+    file = Path(path)
+    if not file.exists():
+        raise FastpplError(f"{path}: no such file; pass the {what}")
+    if file.is_dir():
+        raise FastpplError(f"{path}: is a directory; pass the {what}")
+    try:
+        return file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise FastpplError(f"{path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+
+
+def load_run(path: str, label: Optional[str] = None) -> Run:
+    text = _read_text(path, "JSON report written by fastppl eval --json")
+    try:
+        result = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise FastpplError(
+            f"{path}: not valid JSON ({e.msg} at line {e.lineno}); pass a fastppl eval --json report") from None
+    if not isinstance(result, dict):
+        raise FastpplError(f"{path}: not a fastppl eval report (a JSON object is expected)")
+    missing = [f for f in REQUIRED_RUN_FIELDS if f not in result]
+    if missing or not isinstance(result["config"], dict):
+        raise FastpplError(f"{path}: not a fastppl eval report (no {missing[0] if missing else 'config'!r} field); "
+                           "pass a file written by fastppl eval --json")
+    return Run(path, label or Path(path).stem, result)
+
+
+def load_runs(paths: Sequence[str]) -> list[Run]:
+    return [load_run(p, label) for p, label in zip(paths, _labels(paths))]
+
+
+def corpus_key(result: dict) -> tuple:
+    cfg = result["config"]
+    # names, not full paths: the same file reached from two working directories is the same corpus
+    return tuple(Path(d).name for d in cfg.get("data", [])), cfg.get("split", "all")
+
+
+
+
+def check_comparable(runs: Sequence[Run], force: bool) -> None:
+    if force or len(runs) < 2:
+        return
+    first = runs[0]
+    for run in runs[1:]:
+        if corpus_key(run.result) != corpus_key(first.result):
+            raise FastpplError(
+                f"runs are not comparable: {first.label} scored {corpus_label(first.result)} but {run.label} scored "
+                f"{corpus_label(run.result)}; pass --force to compare them anyway"
+            )
+        if run.result["tokens_scored"] != first.result["tokens_scored"]:
+            raise FastpplError(
+                f"runs are not comparable: {first.label} scored {first.result['tokens_scored']:,} tokens but "
+                f"{run.label} scored {run.result['tokens_scored']:,} (another tokenizer, window mode or --bos?); "
+                "pass --force to compare them anyway"
+            )
+
+
+def differences(first: dict, other: dict) -> dict:
+    """other against first: absolute NLL and bits/byte, relative perplexity, speed ratio."""
+    def ratio(a, b):
+        known = a is not None and b is not None and not (math.isnan(a) or math.isnan(b)) and a != 0
+        return b / a if known else math.nan
+    return {
+        "nll": other["nll"] - first["nll"],
+        "ppl_relative": ratio(first["ppl"], other["ppl"]) - 1,
+        "bits_per_byte": other.get("bits_per_byte", math.nan) - first.get("bits_per_byte", math.nan),
+        "speedup": ratio(first.get("tokens_per_second"), other.get("tokens_per_second")),
+    }
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool,
+                 right: Sequence[bool]) -> str:
+    if markdown:
+        rule = ["---:" if r else "---" for r in right]
+        lines = [headers, rule, *rows]
+        return "\n".join("| " + " | ".join(cell.replace("|", "\\|") for cell in line) + " |" for line in lines)
+    widths = [max(len(line[i]) for line in (headers, *rows)) for i in range(len(headers))]
+    def line(cells):
+        return "  ".join(c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right)).rstrip()
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+def _number(x, spec: str) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def runs_table(runs: Sequence[Run], markdown: bool = False) -> str:
+    headers = ["run", "model", "corpus", "tokens", "NLL", "ΔNLL", "PPL", "ΔPPL", "bits/byte", "Δbits/byte",
+               "tokens/s", "speed", "device", "dtype"]
+    right = [False, False, False, True, True, True, True, True, True, True, True, True, False, False]
+    rows = []
+    first = runs[0].result
+    for i, run in enumerate(runs):
+        r = run.result
+        d = differences(first, r) if i else None
+        rows.append([
+            run.label, model_label(r["config"].get("model", "?")), corpus_label(r),
+            _number(r["tokens_scored"], ","), _number(r["nll"], ".6f"),
+            _number(d["nll"], "+.6f") if d else "", _number(r["ppl"], ".4f"),
+            _number(d["ppl_relative"], "+.3%") if d else "", _number(r.get("bits_per_byte"), ".6f"),
+            _number(d["bits_per_byte"], "+.6f") if d else "", _number(r.get("tokens_per_second"), ",.0f"),
+            ("×" + _number(d["speedup"], ".2f")) if d else "",
+            r.get("environment", {}).get("device_name", "?"), r.get("dtype", "?"),
+        ])
+    table = format_table(headers, rows, markdown, right)
+    if len(runs) > 1:
+        table += f"\n\nΔ: against the first run ({runs[0].label}); ΔPPL is relative, speed is the ratio of tokens/s."
+    return table
+
+
+def load_per_doc(path: str) -> list[DocResult]:
+    """One JSON object per line with at least id, tokens and nll_sum (and optionally bytes, words)."""
+    documents, seen = [], set()
+    for number, line in enumerate(_read_text(path, "per-document .jsonl written by fastppl eval --per-doc")
+                                  .splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise FastpplError(f"{path}:{number}: not valid JSON ({e.msg}); pass a fastppl --per-doc file") from None
+        if not isinstance(record, dict):
+            raise FastpplError(f"{path}:{number}: not a JSON object; pass a fastppl --per-doc file")
+        missing = [f for f in REQUIRED_DOC_FIELDS if f not in record]
+        if missing:
+            raise FastpplError(f"{path}:{number}: no {missing[0]!r} field; pass a fastppl --per-doc file")
+        tokens, nll_sum, n_bytes = record["tokens"], record["nll_sum"], record.get("bytes")
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise FastpplError(f"{path}:{number}: 'tokens' must be a non-negative integer, got {tokens!r}")
+        if isinstance(nll_sum, bool) or not isinstance(nll_sum, (int, float)):
+            raise FastpplError(f"{path}:{number}: 'nll_sum' must be a number, got {nll_sum!r}")
+        doc_id = str(record["id"])
+        if doc_id in seen:
+            raise FastpplError(f"{path}:{number}: document id {doc_id!r} appears twice; ids must be unique")
+        seen.add(doc_id)
+        documents.append(DocResult(doc_id, tokens, float(nll_sum), n_bytes if isinstance(n_bytes, int) else None))
+    if not documents:
+        raise FastpplError(f"{path}: holds no documents")
+    return documents
+
+
+def check_docs_comparable(doc_sets: Sequence[list[DocResult]], labels: Sequence[str], force: bool) -> None:
+    if force or len(doc_sets) < 2:
+        return
+    first = {d.id: d.tokens for d in doc_sets[0]}
+    for docs, label in zip(doc_sets[1:], labels[1:]):
+        other = {d.id: d.tokens for d in docs}
+        if other.keys() != first.keys():
+            only = sorted(first.keys() ^ other.keys())
+            raise FastpplError(
+                f"per-document results are not comparable: {labels[0]} and {label} hold different documents "
+                f"({len(only):,} differ, e.g. {only[0]!r}); pass --force to compare them anyway"
+            )
+        changed = [i for i in first if first[i] != other[i]]
+        if changed:
+            raise FastpplError(
+                f"per-document results are not comparable: {len(changed):,} document(s) have other token counts "
+                f"in {label} than in {labels[0]} (e.g. {changed[0]!r}: {first[changed[0]]} vs {other[changed[0]]}); "
+                "pass --force to compare them anyway"
+            )
+
+
+def scored_documents(docs: Sequence[DocResult], min_tokens: int) -> list[DocResult]:
+    """Documents long enough for their per-token NLL to mean something (and at least one token)."""
+    return [d for d in docs if d.tokens >= max(min_tokens, 1)]
+
+
+def per_doc_report(doc_sets: Sequence[list[DocResult]], labels: Sequence[str], markdown: bool = False,
+                   worst: int = 5, min_tokens: int = 10) -> str:
+    sections = []
+    kept_sets = [scored_documents(docs, min_tokens) for docs in doc_sets]
+    summary_rows = []
+    for docs, kept, label in zip(doc_sets, kept_sets, labels):
+        nll = np.array([d.nll for d in kept]) if kept else np.zeros(0)
+        summary_rows.append([
+            label, f"{len(docs):,}", f"{len(docs) - len(kept):,}",
+            *(_number(float(f(nll)), ".4f") if len(nll) else "n/a"
+              for f in (np.mean, np.median, lambda x: np.percentile(x, 90), np.max)),
+        ])
+    sections.append(f"per-document NLL (nats/token; documents of fewer than {min_tokens} tokens are left out)\n"
+                    + format_table(["per-doc", "documents", "left out", "mean", "median", "p90", "max"],
+                                   summary_rows, markdown, [False] + [True] * 6))
+    for kept, label in zip(kept_sets, labels):
+        ranked = sorted(kept, key=lambda d: -d.nll)[:worst]
+        rows = [[d.id, f"{d.tokens:,}", f"{d.nll:.4f}", _number(d.bits_per_byte, ".4f")] for d in ranked]
+        sections.append(f"worst documents of {label}\n"
+                        + format_table(["id", "tokens", "NLL/token", "bits/byte"], rows, markdown,
+                                       [False, True, True, True]))
+    if len(doc_sets) > 1:
+        base = {d.id: d for d in kept_sets[0]}
+        for kept, label in zip(kept_sets[1:], labels[1:]):
+            pairs = [(base[d.id], d) for d in kept if d.id in base]
+            pairs.sort(key=lambda p: -(p[1].nll - p[0].nll))
+            rows = [[b.id, f"{b.tokens:,}", f"{a.nll:.4f}", f"{b.nll:.4f}", f"{b.nll - a.nll:+.4f}"]
+                    for a, b in pairs[:worst]]
+            sections.append(f"largest per-document increases of {label} against {labels[0]}\n"
+                            + format_table(["id", "tokens", labels[0], label, "Δ"], rows, markdown,
+                                           [False, True, True, True, True]))
+    return "\n\n".join(sections)
+
+
+def _per_doc_path_of(run: Run) -> Optional[str]:
+    """The run's "per_doc_path", as written (relative to where eval ran) or relative to the report."""
+    recorded = run.result.get("per_doc_path")
+    if not recorded:
+        return None
+    for candidate in (Path(recorded), Path(run.path).parent / recorded):
+        if candidate.is_file():
+            return str(candidate)
+    raise FastpplError(f"{run.path}: its per_doc_path {recorded} does not exist; pass --per-doc PATH")
+
+
+def compare(run_paths: Sequence[str], per_doc_paths: Sequence[str] = (), plot: Optional[str] = None,
+            markdown: bool = False, force: bool = False, worst: int = 5, min_doc_tokens: int = 10) -> str:
+    """The text that `fastppl compare` prints; writes the figure to plot when given."""
+    if not run_paths and not per_doc_paths:
+        raise FastpplError("nothing to compare; pass eval --json reports and/or --per-doc files")
+    if worst < 0 or min_doc_tokens < 0:
+        raise FastpplError("--worst and --min-doc-tokens must be at least 0")
+    if plot:
+        check_plot_path(plot)
+    runs = load_runs(run_paths)
+    check_comparable(runs, force)
+    lacking = [r.path for r in runs if not r.result.get("nll_by_position")]
+    if plot and lacking:
+        raise FastpplError(f"{lacking[0]}: has no nll_by_position to draw (an older fastppl wrote it); "
+                           "run eval again, or drop --plot")
+
+    if per_doc_paths:
+        doc_labels = [r.label for r in runs] if len(runs) == len(per_doc_paths) else _labels(per_doc_paths)
+    else:
+        with_docs = [(r, _per_doc_path_of(r)) for r in runs]
+        with_docs = [(r, p) for r, p in with_docs if p]
+        per_doc_paths, doc_labels = [p for _, p in with_docs], [r.label for r, _ in with_docs]
+    doc_sets = [load_per_doc(p) for p in per_doc_paths]
+    check_docs_comparable(doc_sets, doc_labels, force)
+
+    sections = []
+    if runs:
+        sections.append(runs_table(runs, markdown))
+    if doc_sets:
+        sections.append(per_doc_report(doc_sets, doc_labels, markdown, worst, min_doc_tokens))
+
+    if plot:
+        per_doc_nll = [[d.nll for d in scored_documents(docs, min_doc_tokens)] for docs in doc_sets]
+        figure = comparison_figure([r.result for r in runs], [r.label for r in runs],
+                                   per_doc_nll or None, doc_labels)
+        save_figure(figure, plot)
+    return "\n\n".join(sections)

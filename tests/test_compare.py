@@ -1,0 +1,191 @@
+"""fastppl compare: differences against the first run, refusing incomparable runs, bad input files,
+per-document results, and the comparison figure."""
+import importlib.util
+import json
+import math
+import struct
+
+import pytest
+
+from fastppl.cli import main
+from fastppl.compare import differences, load_per_doc
+
+needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                                      reason="matplotlib is not installed")
+
+
+def make_result(nll=3.0, bits_per_byte=1.2, tokens_per_second=1000.0, tokens=36059, data="tinyshakespeare",
+                split="val", model="gpt2", dtype="bfloat16", device_name="NVIDIA H200", ctx=4):
+    return {
+        "nll": nll, "ppl": math.exp(nll), "tokens_scored": tokens, "tokens_total": tokens, "bytes": 111540,
+        "bits_per_byte": bits_per_byte, "tokens_per_second": tokens_per_second, "window": "chunked", "ctx": ctx,
+        "stride": None, "dtype": dtype, "nll_by_position": [nll + 1.0, nll, None, nll - 0.5][:ctx],
+        "nll_by_position_std": [1.0, 0.5, None, 0.4][:ctx],
+        "config": {"model": model, "data": [data], "split": split},
+        "environment": {"device_name": device_name},
+    }
+
+
+def write(path, obj):
+    path.write_text(json.dumps(obj))
+    return str(path)
+
+
+def write_docs(path, docs):
+    path.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    return str(path)
+
+
+def png_size(path):
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+def one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fastppl: error: ") and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_differences_against_the_first_run():
+    first, other = make_result(3.0, 1.2, 1000.0), make_result(3.1, 1.25, 1500.0)
+    d = differences(first, other)
+    assert d["nll"] == pytest.approx(0.1)
+    assert d["ppl_relative"] == pytest.approx(math.exp(0.1) - 1)
+    assert d["bits_per_byte"] == pytest.approx(0.05)
+    assert d["speedup"] == pytest.approx(1.5)
+
+
+def test_compare_table_shows_the_differences(tmp_path, capsys):
+    a = write(tmp_path / "fp32.json", make_result(3.0, 1.2, 1000.0, dtype="float32"))
+    b = write(tmp_path / "bf16.json", make_result(3.1, 1.25, 1500.0))
+    c = write(tmp_path / "other.json", make_result(2.9, 1.1, 500.0, model="/ckpt/my-model"))
+    assert main(["compare", a, b, c]) == 0
+    out = capsys.readouterr().out
+    fp32, bf16, other = (line for line in out.splitlines() if line.startswith(("fp32 ", "bf16 ", "other ")))
+    assert "3.000000" in fp32 and "+" not in fp32 and "float32" in fp32 and "NVIDIA H200" in fp32
+    assert "+0.100000" in bf16 and f"+{math.exp(0.1) - 1:.3%}" in bf16 and "+0.050000" in bf16 and "×1.50" in bf16
+    assert "-0.100000" in other and "×0.50" in other and "my-model" in other and "/ckpt" not in other
+    assert "36,059" in fp32 and "tinyshakespeare (val)" in fp32
+
+    assert main(["compare", a, b, "--markdown"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| run | model | corpus | tokens | NLL | ΔNLL |") and lines[1].startswith("| --- |")
+    assert lines[3].startswith("| bf16 |") and "| +0.100000 |" in lines[3]
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"data": "other.txt"}, "scored tinyshakespeare (val) but b scored other.txt (val)"),
+    ({"split": "train"}, "but b scored tinyshakespeare (train)"),
+    ({"tokens": 36058}, "scored 36,059 tokens but b scored 36,058"),
+])
+def test_incomparable_runs_are_refused_unless_forced(tmp_path, capsys, change, reason):
+    a = write(tmp_path / "a.json", make_result())
+    b = write(tmp_path / "b.json", make_result(**change))
+    assert main(["compare", a, b]) == 2
+    err = one_line_error(capsys)
+    assert "not comparable" in err and reason in err and "--force" in err
+    assert main(["compare", a, b, "--force"]) == 0
+    assert "b " in capsys.readouterr().out
+
+
+def test_the_same_corpus_by_another_path_is_comparable(tmp_path, capsys):
+    a = write(tmp_path / "a.json", make_result(data="../shared/data/tinyshakespeare.txt"))
+    b = write(tmp_path / "b.json", make_result(data="/work/shared/data/tinyshakespeare.txt"))
+    assert main(["compare", a, b]) == 0
+
+
+def test_bad_run_files_are_one_line_errors(tmp_path, capsys):
+    good = write(tmp_path / "good.json", make_result())
+    (tmp_path / "broken.json").write_text('{"nll": 3.0,')
+    cases = {
+        str(tmp_path / "missing.json"): "no such file",
+        str(tmp_path / "broken.json"): "not valid JSON",
+        write(tmp_path / "list.json", [1, 2]): "not a fastppl eval report",
+        write(tmp_path / "other.json", {"accuracy": 0.5}): "no 'nll' field",
+        str(tmp_path): "is a directory",
+    }
+    for path, message in cases.items():
+        assert main(["compare", good, path]) == 2
+        assert message in one_line_error(capsys)
+    assert main(["compare"]) == 2
+    assert "nothing to compare" in one_line_error(capsys)
+
+
+DOCS_A = [
+    {"id": "doc:1", "tokens": 100, "bytes": 400, "words": 80, "nll_sum": 300.0},     # 3.0 nats/token
+    {"id": "doc:2", "tokens": 50, "bytes": 200, "words": 40, "nll_sum": 250.0},      # 5.0, the worst
+    {"id": "doc:3", "tokens": 200, "bytes": 800, "words": 160, "nll_sum": 400.0},    # 2.0
+    {"id": "doc:4", "tokens": 3, "bytes": 12, "words": 2, "nll_sum": 30.0},          # 10.0 but too short
+    {"id": "doc:5", "tokens": 0, "bytes": 0, "words": 0, "nll_sum": 0.0},            # empty document
+]
+DOCS_B = [dict(d, nll_sum=d["nll_sum"] * f) for d, f in zip(DOCS_A, (1.0, 0.9, 1.5, 1.0, 1.0))]
+
+
+def test_per_doc_worst_documents_and_largest_increases(tmp_path, capsys):
+    a = write_docs(tmp_path / "a.jsonl", DOCS_A)
+    b = write_docs(tmp_path / "b.jsonl", DOCS_B)
+    assert [d.nll for d in load_per_doc(a) if d.tokens] == [3.0, 5.0, 2.0, 10.0]
+    assert main(["compare", "--per-doc", a, b, "--worst", "2"]) == 0
+    out = capsys.readouterr().out
+    worst_a = out.split("worst documents of a\n")[1].split("\n\n")[0].splitlines()[2:]
+    assert [row.split()[0] for row in worst_a] == ["doc:2", "doc:1"]          # doc:4 is shorter than 10 tokens
+    assert "5.0000" in worst_a[0] and f"{250 / math.log(2) / 200:.4f}" in worst_a[0]   # NLL/token, bits/byte
+    increases = out.split("largest per-document increases of b against a\n")[1].splitlines()[2:]
+    assert increases[0].split()[0] == "doc:3" and "+1.0000" in increases[0]   # 2.0 -> 3.0
+    summary = out.split("per-document NLL")[1].split("\n\n")[0]
+    a_row = next(line for line in summary.splitlines() if line.startswith("a "))
+    assert a_row.split()[1:4] == ["5", "2", f"{(3 + 5 + 2) / 3:.4f}"]        # documents, left out, mean
+
+
+def test_per_doc_path_from_the_report(tmp_path, capsys):
+    write_docs(tmp_path / "a-docs.jsonl", DOCS_A)
+    run = write(tmp_path / "a.json", dict(make_result(), per_doc_path="a-docs.jsonl"))   # relative to the report
+    assert main(["compare", run, "--min-doc-tokens", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "worst documents of a" in out and out.split("worst documents of a\n")[1].splitlines()[2].startswith("doc:4")
+
+
+def test_per_doc_files_must_hold_the_same_documents(tmp_path, capsys):
+    a = write_docs(tmp_path / "a.jsonl", DOCS_A)
+    b = write_docs(tmp_path / "b.jsonl", DOCS_A[:-1])
+    assert main(["compare", "--per-doc", a, b]) == 2
+    assert "hold different documents" in one_line_error(capsys)
+    c = write_docs(tmp_path / "c.jsonl", [dict(d, tokens=d["tokens"] + 1) for d in DOCS_A])
+    assert main(["compare", "--per-doc", a, c]) == 2
+    assert "other token counts" in one_line_error(capsys)
+    assert main(["compare", "--per-doc", a, c, "--force"]) == 0
+
+
+@pytest.mark.parametrize("line, message", [
+    ("not json", "b.jsonl:2: not valid JSON"),
+    ('{"id": "x", "tokens": 5}', "b.jsonl:2: no 'nll_sum' field"),
+    ('{"id": "x", "tokens": -1, "nll_sum": 1.0}', "'tokens' must be a non-negative integer"),
+    ('{"id": "doc:1", "tokens": 5, "nll_sum": 1.0}', "appears twice"),
+])
+def test_bad_per_doc_lines_are_one_line_errors(tmp_path, capsys, line, message):
+    a = write_docs(tmp_path / "a.jsonl", DOCS_A)
+    b = tmp_path / "b.jsonl"
+    b.write_text(json.dumps(DOCS_A[0]) + "\n" + line + "\n")
+    assert main(["compare", "--per-doc", a, str(b)]) == 2
+    assert message in one_line_error(capsys)
+
+
+@needs_matplotlib
+def test_comparison_figures(tmp_path, capsys):
+    a = write(tmp_path / "a.json", make_result(3.0))
+    b = write(tmp_path / "b.json", make_result(3.2))
+    plot = tmp_path / "runs.png"
+    assert main(["compare", a, b, "--plot", str(plot)]) == 0
+    assert png_size(plot) == (800, 450)
+
+    docs_a, docs_b = write_docs(tmp_path / "a.jsonl", DOCS_A), write_docs(tmp_path / "b.jsonl", DOCS_B)
+    assert main(["compare", a, b, "--per-doc", docs_a, docs_b, "--plot", str(plot)]) == 0
+    assert png_size(plot) == (1400, 450)   # loss by position and the per-document histogram side by side
+    assert main(["compare", "--per-doc", docs_a, "--plot", str(tmp_path / "docs.png")]) == 0
+    assert png_size(tmp_path / "docs.png") == (800, 450)
+
+    old = write(tmp_path / "old.json", {k: v for k, v in make_result().items() if not k.startswith("nll_by")})
+    assert main(["compare", a, old, "--plot", str(tmp_path / "x.png")]) == 2
+    assert "has no nll_by_position" in one_line_error(capsys) and not (tmp_path / "x.png").exists()
