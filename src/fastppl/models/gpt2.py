@@ -2,7 +2,6 @@
 the loss (fastppl.engine.loss), in chunks, so that the (B, T, V) logits never exist."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -10,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .initialization import init_gpt_style_
 from .attention import causal_attention, masked_attention
 from .kv_cache import CacheStep
 
@@ -111,15 +111,7 @@ class GPT2(nn.Module):
 
     def init_weights(self, generator: Optional[torch.Generator] = None) -> None:
         """GPT-2's initialisation (normal 0.02, residual projections scaled by 1/sqrt(2 * n_layer))."""
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
-        for name, p in self.named_parameters():
-            if name.endswith("bias"):
-                nn.init.zeros_(p)
-            elif "ln" in name:
-                nn.init.ones_(p)
-            else:
-                std = residual_std if name.endswith("proj.weight") else 0.02
-                nn.init.normal_(p, 0.0, std, generator=generator)
+        init_gpt_style_(self, self.config.n_layer, "ln", ("proj.weight",), generator)
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .attention import causal_attention, masked_attention
+from .initialization import init_gpt_style_
 from .kv_cache import CacheStep
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -198,15 +199,7 @@ class Llama(nn.Module):
 
     def init_weights(self, generator: Optional[torch.Generator] = None) -> None:
         """Normal(0, 0.02) matrices, residual projections scaled by 1/sqrt(2 * n_layer), unit norms, zero biases."""
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
-        for name, p in self.named_parameters():
-            if name.endswith("bias"):
-                nn.init.zeros_(p)
-            elif "norm" in name:
-                nn.init.ones_(p)
-            else:
-                std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
-                nn.init.normal_(p, 0.0, std, generator=generator)
+        init_gpt_style_(self, self.config.n_layer, "norm", ("o_proj.weight", "down_proj.weight"), generator)
 
     def rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (..., hs) of the rotary angles at integer positions (...), computed in fp32."""

@@ -177,30 +177,25 @@ def load_model(spec: str, backend: str = "auto", dtype: torch.dtype = torch.floa
     if backend == "hf" or model_type not in NATIVE_MODEL_TYPES or unsupported or gaps:
         return _load_hf(directory, dtype).eval()
     if model_type in LLAMA_MODEL_TYPES:
-        return _load_native_llama(directory, hf_config, dtype)
+        return _load_native(directory, hf_config, llama_config_from_hf, Llama, load_hf_llama_state_dict, dtype)
+    return _load_native(directory, hf_config, gpt2_config_from_hf, GPT2, load_hf_gpt2_state_dict, dtype)
+
+
+def _load_native(directory: Path, hf_config: dict, config_from_hf, model_class, load_state_dict,
+                 dtype: torch.dtype) -> nn.Module:
+    """Build on the meta device (no memory, no init), then fill every weight from the checkpoint."""
     try:
-        config = gpt2_config_from_hf(hf_config)
+        config = config_from_hf(hf_config)
     except KeyError as e:
         raise FastpplError(f"{directory}/config.json: lacks {e}; the checkpoint is corrupt") from None
     with torch.device("meta"):
-        model = GPT2(config)
+        model = model_class(config)
+    tied = [name for name, module in model.named_modules()
+            if isinstance(module, nn.Embedding) and module.weight is model.lm_head.weight]
     model = model.to_empty(device="cpu")
-    model.lm_head.weight = model.wte.weight  # to_empty unties; tie again
-    load_hf_gpt2_state_dict(model, read_state_dict(directory), str(directory))
-    return model.to(dtype).eval()
-
-
-def _load_native_llama(directory: Path, hf_config: dict, dtype: torch.dtype) -> Llama:
-    try:
-        config = llama_config_from_hf(hf_config)
-    except KeyError as e:
-        raise FastpplError(f"{directory}/config.json: lacks {e}; the checkpoint is corrupt") from None
-    with torch.device("meta"):
-        model = Llama(config)
-    model = model.to_empty(device="cpu")
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed.weight  # to_empty unties; tie again
-    load_hf_llama_state_dict(model, read_state_dict(directory), str(directory))
+    for name in tied:   # to_empty unties shared parameters; tie them again
+        model.lm_head.weight = model.get_submodule(name).weight
+    load_state_dict(model, read_state_dict(directory), str(directory))
     return model.to(dtype).eval()
 
 
