@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import math
 import os
 import sys
@@ -94,7 +95,10 @@ def train_tiny(
     out = Path(out_dir)
     model.eval()
     save_hf_gpt2(model, out)
-    tok.hf.save_pretrained(str(out))
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json"):
+        source = Path(tok.name) / name   # the tokenizer directory it was loaded from
+        if source.is_file():
+            shutil.copyfile(source, out / name)
     (out / "training.json").write_text(json.dumps({
         "data": f"{Path(data).name} (train split: first 90 % of the characters)", "train_tokens": len(ids),
         "steps": steps, "seed": seed, "n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, "ctx": ctx,

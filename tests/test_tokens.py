@@ -185,3 +185,17 @@ def test_builtin_download_with_wrong_content_leaves_nothing(cache, monkeypatch):
     with pytest.raises(FastpplError, match="does not match its sha256"):
         load_documents("tinyshakespeare", "all")
     assert not any((cache / "data").iterdir())
+
+
+def test_tokenizer_json_fast_path_equals_transformers(tokenizer_dir, shakespeare):
+    """tokenizer.json read by `tokenizers` alone (the fast start-up path) must tokenise exactly as
+    transformers' AutoTokenizer does, specials included."""
+    from transformers import AutoTokenizer
+    from fastppl.data.tokenize import load_tokenizer
+
+    fast = load_tokenizer(str(tokenizer_dir))
+    reference = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    text = shakespeare.read_text()[:20000] + " 東京 😀 é́ \r\n\t  tabs<|endoftext|>end"
+    assert fast.encode(text).tolist() == reference(text, add_special_tokens=False)["input_ids"]
+    assert (fast.bos_id, fast.eos_id, fast.vocab_size) == (reference.bos_token_id, reference.eos_token_id, len(reference))
+    assert fast.decode(fast.encode(text)) == text

@@ -310,7 +310,7 @@ def run_generate(config: GenerateConfig) -> dict:
         raise FastpplError(
             f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size:,} ids but the model's vocabulary has "
             f"{model.vocab_size:,}; pass the model's own tokenizer with --tokenizer")
-    eos_id = tokenizer.hf.eos_token_id
+    eos_id = tokenizer.eos_id
     prompt_ids = []
     for text in config.prompts:
         ids = tokenizer.encode(text).tolist()
@@ -325,7 +325,7 @@ def run_generate(config: GenerateConfig) -> dict:
     completions = []
     for text, tokens, finished in zip(config.prompts, result.tokens, result.finished):
         text_tokens = tokens[:-1] if finished else tokens
-        completions.append(dict(prompt=text, completion=tokenizer.hf.decode(text_tokens), tokens=tokens,
+        completions.append(dict(prompt=text, completion=tokenizer.decode(text_tokens), tokens=tokens,
                                 finished=finished))
     return dict(model=config.model, completions=completions, **result.to_dict(),
                 sampling=dict(temperature=config.sampling.temperature, top_k=config.sampling.top_k,

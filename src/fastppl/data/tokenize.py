@@ -16,19 +16,22 @@ from ..errors import FastpplError
 
 @dataclass
 class Tokenizer:
-    """The few things scoring needs from a Hugging Face tokenizer."""
-    hf: object               # a transformers PreTrainedTokenizerFast
+    """The few things scoring needs from a tokenizer: a `tokenizers` (Rust) tokenizer and its specials."""
+    backend: object          # a tokenizers.Tokenizer
     name: str
     fingerprint: str         # changes whenever the mapping text -> ids could change
     bos_id: Optional[int]    # BOS, else end-of-text: what lm-evaluation-harness conditions on
+    eos_id: Optional[int]
     vocab_size: int          # ids are < vocab_size
 
     def encode(self, text: str) -> np.ndarray:
-        ids = self.hf(text, add_special_tokens=False, verbose=False)["input_ids"]
-        return np.asarray(ids, dtype=np.int64)
+        return np.asarray(self.backend.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+    def decode(self, ids) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def n_bytes(self, ids) -> int:
-        return len(self.hf.decode(list(ids)).encode("utf-8"))
+        return len(self.decode(ids).encode("utf-8"))
 
     def token_n_bytes(self, ids: np.ndarray, i: int) -> int:
         """UTF-8 bytes that token ids[i] adds to the decoded text. Decoded after up to 8 tokens of left
@@ -38,11 +41,49 @@ class Tokenizer:
         return self.n_bytes(ids[left:i + 1].tolist()) - self.n_bytes(ids[left:i].tolist())
 
 
-def load_tokenizer(name_or_path: str, offline_hint: str = "") -> Tokenizer:
-    from transformers import AutoTokenizer
+def _fingerprint(backend) -> str:
+    return hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest()[:16]
 
+
+def _special_token(config: dict, key: str):
+    value = config.get(key)
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _load_tokenizer_json(directory: Path, name: str) -> Optional[Tokenizer]:
+    """A local tokenizer.json read by `tokenizers` alone: about 0.1 s, where transformers' AutoTokenizer
+    took 6.8 s on the H200 machine (its import, then rebuilding the tokenizer; docs/BENCHMARKS.md).
+    None when the directory's tokenizer_config.json asks for more than the file holds (a custom class,
+    or options that transformers applies on top of tokenizer.json), so transformers loads it instead."""
+    import json
+    from tokenizers import Tokenizer as RustTokenizer
+
+    config_path = directory / "tokenizer_config.json"
+    try:
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        backend = RustTokenizer.from_file(str(directory / "tokenizer.json"))
+    except Exception:   # unreadable or unusual: let transformers try, and report its error
+        return None
+    if config.get("tokenizer_class") not in (None, "GPT2Tokenizer", "GPT2TokenizerFast", "PreTrainedTokenizerFast"):
+        return None
+    if config.get("add_prefix_space") or config.get("add_bos_token") or config.get("add_eos_token"):
+        return None
+    ids = {key: backend.token_to_id(token) if isinstance(token, str) else None
+           for key in ("bos_token", "eos_token") for token in [_special_token(config, key)]}
+    bos_id = ids["bos_token"] if ids["bos_token"] is not None else ids["eos_token"]
+    return Tokenizer(backend=backend, name=name, fingerprint=_fingerprint(backend), bos_id=bos_id,
+                     eos_id=ids["eos_token"], vocab_size=backend.get_vocab_size(with_added_tokens=True))
+
+
+def load_tokenizer(name_or_path: str, offline_hint: str = "") -> Tokenizer:
     if name_or_path.startswith((".", "/", "~")) and not Path(name_or_path).expanduser().exists():
         raise FastpplError(f"{name_or_path}: no such tokenizer directory; check --tokenizer")
+    directory = Path(name_or_path).expanduser()
+    if (directory / "tokenizer.json").is_file():
+        fast = _load_tokenizer_json(directory, name_or_path)
+        if fast is not None:
+            return fast
+    from transformers import AutoTokenizer
     try:
         hf = AutoTokenizer.from_pretrained(name_or_path, use_fast=True)
     except Exception as e:  # transformers raises many types for missing/offline/corrupt tokenizers
@@ -57,12 +98,12 @@ def load_tokenizer(name_or_path: str, offline_hint: str = "") -> Tokenizer:
             f"{name_or_path}: holds no tokenizer vocabulary; pass --tokenizer PATH to a tokenizer directory"
             f"{offline_hint}"
         )
-    hf.model_max_length = 1 << 62  # we window ourselves; silence the "sequence too long" warning
     backend = getattr(hf, "backend_tokenizer", None)
-    serialised = backend.to_str() if backend is not None else repr(sorted(hf.get_vocab().items()))
-    fingerprint = hashlib.sha256(serialised.encode("utf-8")).hexdigest()[:16]
+    if backend is None:
+        raise FastpplError(f"tokenizer {name_or_path!r} has no fast (Rust) implementation; convert it to tokenizer.json")
     bos_id = hf.bos_token_id if hf.bos_token_id is not None else hf.eos_token_id
-    return Tokenizer(hf=hf, name=name_or_path, fingerprint=fingerprint, bos_id=bos_id, vocab_size=len(hf))
+    return Tokenizer(backend=backend, name=name_or_path, fingerprint=_fingerprint(backend), bos_id=bos_id,
+                     eos_id=hf.eos_token_id, vocab_size=len(hf))
 
 
 def encode_cached(tokenizer: Tokenizer, text: str, use_cache: bool = True) -> np.ndarray:
