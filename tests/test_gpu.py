@@ -52,3 +52,30 @@ def test_auto_batch_size_matches_fixed(tmp_path, tokenizer_dir, shakespeare):
     auto = _eval(tmp_path, tokenizer_dir, shakespeare, dtype="bf16", batch_size="auto")
     assert auto["batch_size"] >= 8
     assert auto["nll_sum"] == pytest.approx(fixed["nll_sum"], rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def trained_300_steps(tmp_path_factory, tokenizer_dir, shakespeare):
+    """The tiny GPT-2 of scripts/train_tiny.py after 300 steps (val NLL about 5.9 nats): a model whose
+    predictions are sharp enough that bf16 rounding shows, unlike a near-uniform random one."""
+    import importlib.util
+    from conftest import ROOT
+    spec = importlib.util.spec_from_file_location("train_tiny", ROOT / "scripts" / "train_tiny.py")
+    train_tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_tiny)
+    return train_tiny.train_tiny(tmp_path_factory.mktemp("tiny-300"), steps=300, seed=0,
+                                 data=shakespeare, tokenizer=tokenizer_dir)
+
+
+@pytest.mark.parametrize("loss", ["fused", "chunked"])
+def test_bf16_within_half_a_percent_of_fp32_on_a_trained_model(trained_300_steps, shakespeare, loss):
+    from fastppl.config import EvalConfig
+    from fastppl.pipeline import evaluate
+    base = dict(model=str(trained_300_steps), data=[str(shakespeare)], split="val", device="cuda", quiet=True,
+                loss=loss)
+    fp32 = evaluate(EvalConfig(**base, dtype="fp32"))
+    bf16 = evaluate(EvalConfig(**base, dtype="bf16"))
+    assert fp32["nll"] < 7.0, "the fixture model is not trained"
+    assert bf16["tokens_scored"] == fp32["tokens_scored"] == 36059
+    print(f"{loss}: fp32 nll {fp32['nll']:.6f}  bf16 {bf16['nll']:.6f}  rel {bf16['nll'] / fp32['nll'] - 1:+.2e}")
+    assert abs(bf16["nll"] / fp32["nll"] - 1) <= 5e-3
