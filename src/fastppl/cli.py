@@ -120,6 +120,8 @@ def run_eval(args: argparse.Namespace) -> int:
 
 def run_bench(args: argparse.Namespace) -> int:
     import sys as _sys
+    if args.corpus == "docs":
+        return run_bench_docs(args)
     from .bench import format_table, run_bench as bench
     from .report import check_writable, write_json
     if args.json:
@@ -131,6 +133,25 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, report)
     print(format_table(report))
+    return 0
+
+
+def run_bench_docs(args: argparse.Namespace) -> int:
+    from .bench_docs import format_docs_table, run_docs_bench
+    from .report import check_writable, write_json
+    if args.peers or args.variants:
+        raise FastpplError("--peers and --variants belong to --corpus dense")
+    if args.json:
+        check_writable(args.json, "--json")
+    log = (lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+    report = run_docs_bench(args.model, args.documents, args.seq, args.batch_size, args.device, args.loss,
+                            args.compile, log=log)
+    if args.json:
+        write_json(args.json, report)
+    print(format_docs_table(report))
+    if not report["nll_agrees"]:   # the correctness check: a failing check exits non-zero
+        print("fastppl: error: the modes' total NLL disagree beyond the tolerance", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -214,13 +235,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser.add_argument("--model", default="random:gpt2", help="random:gpt2[-medium|-large|-xl|-tiny]")
     bench_parser.add_argument("--tokens", type=int, default=1_048_576, help="tokens through each peer")
     bench_parser.add_argument("--naive-tokens", type=int, help="tokens through the (slow) naive loop")
-    bench_parser.add_argument("--seq", type=int, default=1024)
+    bench_parser.add_argument("--seq", "--ctx", type=int, default=1024, help="row length (--corpus docs: ctx)")
     bench_parser.add_argument("--batch-size", type=int, default=64)
     bench_parser.add_argument("--device", default="auto")
     bench_parser.add_argument("--loss", default="auto", choices=["auto", "chunked", "fused"])
     bench_parser.add_argument("--variants", action="store_true", help="also time the other loss and compile choices")
     bench_parser.add_argument("--peers", help="comma-separated subset of naive,autocast,hf-bf16,hf-compiled,fastppl")
     bench_parser.add_argument("--json", help="write the report here")
+    bench_parser.add_argument("--corpus", default="dense", choices=["dense", "docs"],
+                              help="dense: random full rows, fastppl against HF peers; docs: synthetic documents "
+                                   "through packed, bucketed, padded and an lm-eval-style baseline")
+    bench_parser.add_argument("--documents", type=int, default=10_000, help="--corpus docs: documents")
+    bench_parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                              help="--corpus docs: compile fastppl's scorer (auto: as eval would for the corpus)")
     bench_parser.add_argument("--quiet", action="store_true")
     bench_parser.set_defaults(run=run_bench)
 

@@ -1,0 +1,274 @@
+"""fastppl bench --corpus docs: many documents of mixed lengths, every batching mode and an lm-eval-style
+baseline on the same weights and tokens, in one process.
+
+The corpus is fastppl.data.synthetic.synthetic_documents (10,000 documents of random token ids, lengths
+log-uniform between 20 and 1,500 tokens). Every document is a stream [BOS] + tokens cut into chunked windows
+of ctx, so every token is scored once, conditioned on BOS and on nothing outside its document:
+
+  packed    fastppl, several windows per row of ctx with a document mask        \
+  bucketed  fastppl, one window per row, rows of a few bucket lengths            } plan_batches + batch_from_plan
+  padded    fastppl, one window per row of ctx                                  /  + make_score_fn + score_batches
+  baseline  what lm-evaluation-harness's loglikelihood does: windows sorted longest first, batches right-padded
+            to their longest window, transformers GPT2LMHeadModel (the same weights) to full (B, T, V) logits,
+            log_softmax over the vocabulary in fp32, gather the targets. Generous to lm-eval: the sum stays on
+            the device (lm-eval also loops over each request on the host).
+  dense     fastppl on the same tokens as one stream in full rows: the speed that packing should keep
+
+The first four score the same tokens with the same contexts, so their total NLL must agree (within 1e-4
+relative in bf16, 1e-6 in fp32); the check failing makes the command exit 1. dense reads other contexts, so
+its NLL differs slightly and is not checked."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .data.batching import WindowRef, batch_from_plan
+from .data.packing import BATCHING_MODES, padding_waste, plan_batches
+from .data.synthetic import synthetic_documents
+from .data.windows import chunked_windows
+from .engine.precision import resolve_device
+from .errors import FastpplError
+
+BOS_ID = 50256              # GPT-2's end-of-text; every random preset's vocabulary holds GPT-2's
+NLL_TOLERANCE = {"bfloat16": 1e-4, "float32": 1e-6}   # relative, on the total NLL of the same tokens
+TARGETS = {"packed_over_dense": 0.90, "packed_over_baseline": 3.0, "packed_padding_waste": 0.02}
+CHECKED_MODES = (*BATCHING_MODES, "baseline")
+
+
+@dataclass
+class ChunkedCorpus:
+    """Documents as the pipeline reads them under --window chunked: [BOS] + tokens, cut into windows of ctx."""
+    streams: list[np.ndarray]   # (n_d + 1,) int64 each
+    target_offsets: list[int]   # target stream index j of document d is corpus token target_offsets[d] + j - 1
+    refs: list[WindowRef]
+    n_tokens: int               # real tokens, all scored
+
+    @property
+    def window_lengths(self) -> np.ndarray:
+        return np.array([r.window.length for r in self.refs], dtype=np.int64)
+
+
+def chunked_corpus(documents: Sequence[np.ndarray], ctx: int, bos_id: int = BOS_ID) -> ChunkedCorpus:
+    streams, offsets, refs, offset = [], [], [], 0
+    for doc, ids in enumerate(documents):
+        streams.append(np.concatenate([[bos_id], ids]).astype(np.int64))
+        offsets.append(offset)
+        offset += len(ids)
+        refs.extend(WindowRef(doc, w) for w in chunked_windows(len(ids), ctx))
+    return ChunkedCorpus(streams, offsets, refs, offset)
+
+
+@dataclass
+class ModeResult:
+    name: str
+    seconds: float
+    nll_sum: float
+    padding_waste: float
+    batches: int
+    peak_bytes: Optional[int]
+    note: str
+
+
+def _timed(device: torch.device, run: Callable[[], torch.Tensor]) -> tuple[float, float]:
+    """(seconds, value) of run(), which returns a device scalar. On CUDA the time is that of CUDA events
+    recorded around the work on the stream (host stalls between kernels included), after a synchronize."""
+    if device.type != "cuda":
+        started = time.perf_counter()
+        value = float(run().item())
+        return time.perf_counter() - started, value
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    total = run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000, float(total.item())
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device: torch.device) -> Optional[int]:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def time_fastppl_mode(name: str, score_fn, corpus: ChunkedCorpus, mode: str, ctx: int, batch_size: int,
+                      device: torch.device) -> ModeResult:
+    """The pipeline's scoring on one mode: plans, batches built on the host as they are scored, device sums
+    (per-document sums included, as eval keeps them). Warm-up: one batch of every shape, untimed."""
+    from .engine.score import DeviceSums, score_batches
+    plans = plan_batches(corpus.window_lengths, mode, ctx, min(batch_size, len(corpus.refs)))
+    build = lambda plan: batch_from_plan(plan, corpus.refs, corpus.streams, corpus.target_offsets)  # noqa: E731
+    new_sums = lambda: DeviceSums.zeros(ctx, device, n_documents=len(corpus.streams))  # noqa: E731
+    first_of_shape = {}
+    for plan in plans:
+        first_of_shape.setdefault((plan.n_rows, plan.seq_len), plan)
+    score_batches(score_fn, map(build, first_of_shape.values()), new_sums(), device)
+    _reset_peak(device)
+    sums = new_sums()
+    seconds, nll_sum = _timed(device, lambda: score_batches(score_fn, map(build, plans), sums, device).nll_sum)
+    shapes = sorted({p.seq_len for p in plans})
+    note = f"{len(plans)} batches, row length{'s' if len(shapes) > 1 else ''} {','.join(map(str, shapes))}"
+    return ModeResult(name, seconds, nll_sum, padding_waste(plans, corpus.window_lengths), len(plans),
+                      _peak(device), note)
+
+
+def _baseline_batches(corpus: ChunkedCorpus, batch_size: int) -> list[list[WindowRef]]:
+    """lm-eval's order: longest first (ties in corpus order), batch_size windows per batch."""
+    order = np.argsort(-corpus.window_lengths, kind="stable")
+    return [[corpus.refs[i] for i in order[b:b + batch_size]] for b in range(0, len(order), batch_size)]
+
+
+def _baseline_arrays(refs: list[WindowRef], streams: list[np.ndarray]) -> tuple[np.ndarray, ...]:
+    """(B, T) inputs, targets and score mask, right-padded to the batch's longest window (its first)."""
+    T = refs[0].window.length
+    inputs = np.zeros((len(refs), T), dtype=np.int64)
+    targets = np.zeros((len(refs), T), dtype=np.int64)
+    scored = np.zeros((len(refs), T), dtype=bool)
+    for row, ref in enumerate(refs):
+        w, stream = ref.window, streams[ref.doc]
+        inputs[row, :w.length] = stream[w.start:w.start + w.length]
+        targets[row, :w.length] = stream[w.start + 1:w.start + w.length + 1]
+        scored[row, w.score_from:w.length] = True
+    return inputs, targets, scored
+
+
+def time_lm_eval_baseline(hf_model: nn.Module, corpus: ChunkedCorpus, batch_size: int,
+                          device: torch.device) -> ModeResult:
+    batches = _baseline_batches(corpus, batch_size)
+
+    @torch.inference_mode()
+    def nll_sum_of(batch_refs: Iterator[list[WindowRef]]) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for refs in batch_refs:
+            inputs, targets, scored = (torch.from_numpy(a).to(device) for a in _baseline_arrays(refs, corpus.streams))
+            logits = hf_model(input_ids=inputs).logits                           # (B, T, V)
+            log_probs = F.log_softmax(logits.float(), dim=-1)                    # (B, T, V) fp32
+            target_log_probs = log_probs.gather(-1, targets[..., None])[..., 0]  # (B, T)
+            total -= torch.where(scored, target_log_probs, 0.0).sum(dtype=torch.float64)
+        return total
+
+    nll_sum_of(batches[:1])   # warm-up: the largest shape
+    _reset_peak(device)
+    seconds, nll_sum = _timed(device, lambda: nll_sum_of(batches))
+    slots = sum(len(refs) * refs[0].window.length for refs in batches)
+    waste = (slots - int(corpus.window_lengths.sum())) / int(corpus.window_lengths.sum())
+    return ModeResult("baseline", seconds, nll_sum, waste, len(batches), _peak(device),
+                      f"lm-eval style: sorted, right-padded, HF full log_softmax, {len(batches)} batches")
+
+
+def run_docs_bench(model_spec: str = "random:gpt2", n_documents: int = 10_000, ctx: int = 1024,
+                   batch_size: int = 64, device_name: str = "auto", loss: str = "auto", compile: str = "auto",
+                   seed: int = 0, log: Callable[[str], None] = print) -> dict:
+    from .accel.compile import allow_shapes, compile_score_fn, use_compile
+    from .engine.fused_loss import fused_loss_available
+    from .engine.score import make_score_fn
+    from .models.loading import RANDOM_PREFIX, native_to_hf, random_native
+    device = resolve_device(device_name)
+    on_cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if on_cuda else torch.float32
+    if not model_spec.startswith(RANDOM_PREFIX):
+        raise FastpplError(f"bench --corpus docs takes a random:<preset> model, got {model_spec!r}")
+    if n_documents < 1 or batch_size < 1:
+        raise FastpplError("--documents and --batch-size must be at least 1")
+    native = random_native(model_spec[len(RANDOM_PREFIX):], seed, device)
+    if ctx > native.max_positions:
+        raise FastpplError(f"--ctx {ctx} exceeds the model's {native.max_positions} positions")
+    if loss == "auto":
+        loss = "fused" if fused_loss_available(device) else "chunked"
+    elif loss == "fused" and not fused_loss_available(device):
+        raise FastpplError("--loss fused needs a CUDA device and Triton; use --loss chunked")
+
+    documents = synthetic_documents(n_documents, vocab_size=native.vocab_size, seed=seed)
+    corpus = chunked_corpus(documents, ctx)
+    # dense: the same tokens as one stream, in full rows of ctx (what eval does with one long text)
+    dense = chunked_corpus([np.concatenate(documents)], ctx)
+    log(f"{n_documents:,} documents, {corpus.n_tokens:,} tokens, {len(corpus.refs):,} windows of <= {ctx}")
+
+    # the same weights in transformers' GPT2LMHeadModel (native_to_hf copies them), then both in dtype
+    hf_model = native_to_hf(native).to(device=device, dtype=dtype).eval()
+    model = native.to(dtype).eval()
+    # compile as eval would for a run of this size (auto), unless told
+    compiled, compile_reason = use_compile(compile, device, corpus.n_tokens, loss)
+    score_fn = make_score_fn(model, loss=loss)
+    if compiled:
+        score_fn = compile_score_fn(score_fn)
+        allow_shapes(32)   # every mode's shapes share one compiled function: bucketed alone has up to ~10
+    log(f"fastppl: {loss} loss, compile {compile_reason}, dtype {str(dtype).replace('torch.', '')}")
+
+    results: list[ModeResult] = []
+
+    def record(result: ModeResult) -> None:
+        results.append(result)
+        log(f"{result.name:<9} {corpus.n_tokens / result.seconds:>12,.0f} tok/s  waste "
+            f"{100 * result.padding_waste:6.1f} %  nll_sum {result.nll_sum:.6f}  {result.note}")
+
+    for mode in BATCHING_MODES:
+        record(time_fastppl_mode(mode, score_fn, corpus, mode, ctx, batch_size, device))
+    record(time_lm_eval_baseline(hf_model, corpus, batch_size, device))
+    del hf_model
+    dense_result = time_fastppl_mode("dense", score_fn, dense, "padded", ctx, batch_size, device)
+    dense_result.note = "the same tokens as one stream, full rows; " + dense_result.note
+    record(dense_result)
+    return docs_report(results, corpus.n_tokens, model=model_spec, documents=n_documents, ctx=ctx,
+                       batch_size=batch_size, device=device, dtype=dtype, loss=loss, compile=compile_reason)
+
+
+def docs_report(results: list[ModeResult], n_tokens: int, *, device: torch.device, dtype: torch.dtype,
+                **fields) -> dict:
+    by_name = {r.name: r for r in results}
+    speed = {r.name: n_tokens / r.seconds if r.seconds > 0 else float("nan") for r in results}
+    reference = by_name["packed"].nll_sum
+    difference = max(abs(by_name[m].nll_sum - reference) / abs(reference) for m in CHECKED_MODES)
+    dtype_name = str(dtype).replace("torch.", "")
+    tolerance = NLL_TOLERANCE[dtype_name]
+    ratios = {"packed_over_dense": speed["packed"] / speed["dense"],
+              "packed_over_baseline": speed["packed"] / speed["baseline"],
+              "packed_padding_waste": by_name["packed"].padding_waste}
+    return {
+        **fields, "corpus": "docs", "tokens": n_tokens, "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "dtype": dtype_name,
+        "rows": [{"name": r.name, "tokens": n_tokens, "seconds": r.seconds, "tokens_per_second": speed[r.name],
+                  "padding_waste": r.padding_waste, "nll_sum": r.nll_sum, "nll": r.nll_sum / n_tokens,
+                  "batches": r.batches, "peak_memory_bytes": r.peak_bytes, "note": r.note} for r in results],
+        **ratios,
+        "targets": TARGETS,
+        "targets_met": {k: (v <= TARGETS[k]) if k.endswith("waste") else (v >= TARGETS[k]) for k, v in ratios.items()},
+        "nll_checked_modes": list(CHECKED_MODES),
+        "nll_max_relative_difference": difference,
+        "nll_tolerance": tolerance,
+        "nll_agrees": bool(difference <= tolerance),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def format_docs_table(report: dict) -> str:
+    lines = [f"fastppl bench --corpus docs  {report['model']}  {report['documents']:,} documents "
+             f"({report['tokens']:,} tokens)  ctx {report['ctx']}  batch {report['batch_size']}  "
+             f"{report['device_name']}  {report['dtype']}  torch {report['torch']}",
+             f"{'mode':<10}{'tokens/s':>14}{'padding waste':>15}{'nll_sum':>22}{'peak GiB':>10}  note"]
+    for r in report["rows"]:
+        peak = "n/a" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**30:.2f}"
+        lines.append(f"{r['name']:<10}{r['tokens_per_second']:>14,.0f}{100 * r['padding_waste']:>13.1f} %"
+                     f"{r['nll_sum']:>22.6f}{peak:>10}  {r['note']}")
+    met = lambda key: "met" if report["targets_met"][key] else "MISSED"  # noqa: E731
+    lines.append(f"packed / dense {100 * report['packed_over_dense']:.1f} % (target >= 90 %, {met('packed_over_dense')})"
+                 f"   packed / baseline {report['packed_over_baseline']:.2f}x (target >= 3x, "
+                 f"{met('packed_over_baseline')})   packed padding waste {100 * report['packed_padding_waste']:.2f} %"
+                 f" (target <= 2 %, {met('packed_padding_waste')})")
+    verdict = "agree" if report["nll_agrees"] else "DISAGREE"
+    lines.append(f"NLL of {', '.join(report['nll_checked_modes'])}: {verdict}, max relative difference "
+                 f"{report['nll_max_relative_difference']:.2e} (tolerance {report['nll_tolerance']:.0e} in "
+                 f"{report['dtype']}); dense reads other contexts and is not checked")
+    return "\n".join(lines)
