@@ -5,7 +5,7 @@ Peers (all Hugging Face transformers, the same random weights):
   autocast    fp32 weights under bf16 autocast, batch 16, labels=
   hf-bf16     bf16 weights, SDPA attention, batch B, labels=
   hf-compiled the same under torch.compile
-  fastppl     fastppl's scorer (bf16 weights, fp32 loss, fused or chunked loss, compiled on CUDA)
+  fastppl     fastppl's scorer as `eval` runs it (bf16 weights, fp32 loss, fused loss and MLP epilogue on CUDA)
 and a bf16 matmul ceiling. FLOPs are counted per scored token as forward matmul FLOPs:
   2 * (12 * L * d^2 + d * V) + 2 * L * d * (T + 1)    (the last term: causal QK^T and AV, T/2 keys each)"""
 from __future__ import annotations
@@ -120,6 +120,10 @@ def _time_fastppl(model, rows: np.ndarray, batch_size: int, device, loss: str, c
     from .accel.compile import compile_score_fn
     from .engine.score import DeviceSums, make_score_fn, score_batches
     T = rows.shape[1] - 1
+    from .accel.fused_mlp import fuse_mlp_epilogue, unfuse_mlp_epilogue
+    unfuse_mlp_epilogue(model)
+    if device.type == "cuda" and not compile_on:
+        fuse_mlp_epilogue(model)   # as fastppl eval does on CUDA when it does not compile
     score_fn = make_score_fn(model, chunk_rows, loss)
     if compile_on:
         score_fn = compile_score_fn(score_fn)
@@ -145,7 +149,7 @@ def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_le
               loss: str = "auto", naive_tokens: Optional[int] = None, log: Callable[[str], None] = print,
               variants: bool = False) -> dict:
     """variants: also time fastppl with the other loss and compile choices (for docs/BENCHMARKS.md)."""
-    from .engine.fused_loss import fused_loss_available
+    from .engine.loss import fused_loss_available
     from .models.loading import RANDOM_PREFIX, random_gpt2
     device = resolve_device(device_name)
     if not model_spec.startswith(RANDOM_PREFIX + "gpt2"):
@@ -198,15 +202,18 @@ def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_le
     if "fastppl" in peers:
         model = native.to(device=device, dtype=torch.bfloat16 if on_cuda else torch.float32)
         _reset_peak(device)
-        s, nll, tok, compile_s = _time_fastppl(model, rows, batch_size, device, loss, on_cuda)
+        # what `fastppl eval` runs for runs of this size: eager (compile pays only from 250 M tokens),
+        # with the fused loss and, on CUDA, the fused MLP epilogue
+        s, nll, tok, compile_s = _time_fastppl(model, rows, batch_size, device, loss, False)
         record(BenchRow("fastppl", tok, s, nll, _peak(device),
-                        f"{loss} loss, {'compiled' if on_cuda else 'eager'}, batch {batch_size}, warm-up {compile_s:.1f} s"))
+                        f"{loss} loss, eager{', MLP epilogue' if on_cuda else ''}, batch {batch_size}, "
+                        f"warm-up {compile_s:.1f} s"))
         if variants:
             # each variant gets a fresh copy of the weights: a compiled function is cached per model,
             # and a variant must not silently reuse another's compiled graph
             options = [(l, c) for l in ("chunked", "fused") for c in ((True, False) if on_cuda else (False,))]
             for variant_loss, variant_compile in options:
-                if (variant_loss, variant_compile) == (loss, on_cuda):
+                if (variant_loss, variant_compile) == (loss, False):
                     continue
                 if variant_loss == "fused" and not fused_loss_available(device):
                     continue

@@ -171,7 +171,7 @@ def run_docs_bench(model_spec: str = "random:gpt2", n_documents: int = 10_000, c
                    batch_size: int = 64, device_name: str = "auto", loss: str = "auto", compile: str = "auto",
                    seed: int = 0, log: Callable[[str], None] = print) -> dict:
     from .accel.compile import allow_shapes, compile_score_fn, use_compile
-    from .engine.fused_loss import fused_loss_available
+    from .engine.loss import fused_loss_available
     from .engine.score import make_score_fn
     from .models.loading import RANDOM_PREFIX, native_to_hf, random_native
     device = resolve_device(device_name)

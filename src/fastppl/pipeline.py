@@ -17,6 +17,7 @@ import torch
 from . import __version__
 from .accel.batch_size import auto_batch_size
 from .accel.compile import allow_shapes, compile_score_fn, use_compile
+from .accel.fused_mlp import fuse_mlp_epilogue
 from .config import EvalConfig
 from .data.batching import WindowRef, batch_from_plan, make_batch
 from .data.corpus import Document, load_documents
@@ -26,7 +27,7 @@ from .data.windows import chunked_windows, sliding_windows
 from .distributed import init_distributed, shard_plans, stop_all_on_failure
 from .engine.cached_sliding import choose_kv_cache, score_cached_sliding
 from .engine.precision import resolve_device, resolve_dtype
-from .engine.fused_loss import fused_loss_available
+from .engine.loss import fused_loss_available
 from .engine.score import DeviceSums, make_score_fn, score_batches, score_plans
 from .errors import FastpplError
 from .metrics import lm_eval_word_count, per_unit_metrics
@@ -172,8 +173,15 @@ def evaluate(config: EvalConfig) -> dict:
         loss = "fused" if fused_loss_available(device) else "chunked"
     elif loss == "fused" and not fused_loss_available(device):
         raise FastpplError("--loss fused needs a CUDA device and Triton; use --loss chunked")
-    score_fn = make_score_fn(model, config.loss_chunk_rows, loss)
     compiled, compile_reason = use_compile(config.compile, device, n_scored, loss)
+    if compiled and batching == "packed" and device.type == "cuda":
+        # FlexAttention document masks inside the compiled scorer hit an illegal memory access in
+        # Inductor on torch 2.11 (tests/test_document_attention.py on the H200); eager packing is exact
+        compiled, compile_reason = False, "off (packed rows run eager: compiled FlexAttention failed on torch 2.11)"
+    mlp_epilogue = "plain"
+    if device.type == "cuda" and not compiled and fuse_mlp_epilogue(model):
+        mlp_epilogue = "fused bias+GELU (cuBLASLt)"   # measured +4 % eager on the H200 (docs/BENCHMARKS.md)
+    score_fn = make_score_fn(model, config.loss_chunk_rows, loss)
     if compiled:
         score_fn = compile_score_fn(score_fn)
     stream_ids, target_offsets = [s.ids for s in streams], [s.offset_of_target for s in streams]
@@ -289,6 +297,7 @@ def evaluate(config: EvalConfig) -> dict:
         "window": config.window,
         "dtype": str(dtype).replace("torch.", ""),
         "compile": compile_reason,
+        "mlp_epilogue": mlp_epilogue,
         "loss": loss,
         "batch_size": batch_size,
         "kv_cache": kv_cache_reason,

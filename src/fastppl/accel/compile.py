@@ -31,6 +31,8 @@ def compile_score_fn(fn):
     # a persistent cache makes the second run of the same shapes reuse the compiled kernels
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+    from ..engine.fused_loss import register_compiled_op
+    register_compiled_op()   # the fused loss as one opaque op inside the graph
     return torch.compile(fn, dynamic=False)
 
 

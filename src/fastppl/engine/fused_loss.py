@@ -20,10 +20,6 @@ except ImportError:  # CPU-only installs
     triton = None
 
 
-def fused_loss_available(device: torch.device) -> bool:
-    return triton is not None and device.type == "cuda"
-
-
 if triton is not None:
 
     @triton.jit
@@ -98,18 +94,30 @@ def fused_token_nll(
     return out
 
 
-# A custom op, so that torch.compile treats the kernel as one opaque call inside a compiled scorer.
-@torch.library.custom_op("fastppl::fused_token_nll", mutates_args=())
-def _fused_token_nll_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return fused_token_nll(hidden, weight, targets)
+_compiled_op = None
 
 
-@_fused_token_nll_op.register_fake
-def _(hidden, weight, targets):
-    return hidden.new_empty(hidden.shape[0], dtype=torch.float32)
+def register_compiled_op() -> None:
+    """Register the kernel as a custom op, so that torch.compile treats it as one opaque call inside a
+    compiled scorer. Done only before compiling: registering imports torch's compiler machinery, which
+    costs seconds of start-up that an eager run need not pay."""
+    global _compiled_op
+    if _compiled_op is not None or triton is None:
+        return
+
+    @torch.library.custom_op("fastppl::fused_token_nll", mutates_args=())
+    def op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return fused_token_nll(hidden, weight, targets)
+
+    @op.register_fake
+    def _(hidden, weight, targets):
+        return hidden.new_empty(hidden.shape[0], dtype=torch.float32)
+
+    _compiled_op = op
 
 
 def fused_token_nll_op(hidden, weight, targets, bias=None):
-    if bias is not None:   # rare (no GPT-2/Llama head has one): the eager kernel handles it
-        return fused_token_nll(hidden, weight, targets, bias)
-    return _fused_token_nll_op(hidden, weight, targets)
+    if bias is None and torch.compiler.is_compiling():
+        assert _compiled_op is not None, "accel.compile.compile_score_fn registers the op before compiling"
+        return _compiled_op(hidden, weight, targets)
+    return fused_token_nll(hidden, weight, targets, bias)

@@ -26,6 +26,12 @@ def chunked_token_nll(
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
+def fused_loss_available(device: torch.device) -> bool:
+    """The fused kernel needs CUDA and Triton (found without importing it: that costs start-up)."""
+    import importlib.util
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
 def token_nll_fn(kind: str, chunk_rows: int = 8192):
     """The per-token NLL function for --loss chunked|fused: (hidden, weight, targets, bias) -> (N,) fp32."""
     if kind == "fused":
