@@ -21,8 +21,9 @@ def _batch_size(value: str):
 def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="HF checkpoint directory, hub id, or random:gpt2[-medium|-large|-xl|-tiny]")
     p.add_argument("--data", required=True, action="append",
-                   help="text file, .jsonl (one document per line), directory (one document per file), "
-                        "hf:NAME[:CONFIG]:SPLIT (a Hugging Face dataset), or built-in 'tinyshakespeare'; repeatable")
+                   help="text file, .jsonl (one document per line), .npy (token ids of one document), "
+                        "directory (one document per file), hf:NAME[:CONFIG]:SPLIT (a Hugging Face dataset), "
+                        "or built-in 'tinyshakespeare'; repeatable")
     p.add_argument("--tokenizer", help="tokenizer directory or hub id (default: the model's)")
     p.add_argument("--split", default="all", choices=["train", "val", "all"],
                    help="nanoGPT split of a single text: first 90%% / last 10%% of the characters")
