@@ -120,6 +120,9 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.nproc is not None:
+        from .bench_parallel import run_from_args
+        return run_from_args(args)
     import sys as _sys
     from .bench import format_table, run_bench as bench
     from .report import check_writable, write_json
@@ -221,6 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser.add_argument("--loss", default="auto", choices=["auto", "chunked", "fused"])
     bench_parser.add_argument("--variants", action="store_true", help="also time the other loss and compile choices")
     bench_parser.add_argument("--peers", help="comma-separated subset of naive,autocast,hf-bf16,hf-compiled,fastppl")
+    bench_parser.add_argument("--nproc", metavar="N[,N...]",
+                              help="instead of the peers: fastppl eval tokens/s on 1 and N processes (GPUs) of this "
+                                   "machine, speed-up and scaling efficiency; a list such as 1,2,4,8 runs each")
+    bench_parser.add_argument("--tokenizer", help="with --nproc: the tokenizer whose vocabulary the random ids "
+                                                   "are drawn from (default: the model's; gpt2 for random:*)")
     bench_parser.add_argument("--json", help="write the report here")
     bench_parser.add_argument("--quiet", action="store_true")
     bench_parser.set_defaults(run=run_bench)
