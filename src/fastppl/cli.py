@@ -21,8 +21,9 @@ def _batch_size(value: str):
 def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="HF checkpoint directory, hub id, or random:gpt2[-medium|-large|-xl|-tiny]")
     p.add_argument("--data", required=True, action="append",
-                   help="text file, .jsonl (one document per line), directory (one document per file), "
-                        "hf:NAME[:CONFIG]:SPLIT (a Hugging Face dataset), or built-in 'tinyshakespeare'; repeatable")
+                   help="text file, .jsonl (one document per line), .npy (token ids of one document), "
+                        "directory (one document per file), hf:NAME[:CONFIG]:SPLIT (a Hugging Face dataset), "
+                        "or built-in 'tinyshakespeare'; repeatable")
     p.add_argument("--tokenizer", help="tokenizer directory or hub id (default: the model's)")
     p.add_argument("--split", default="all", choices=["train", "val", "all"],
                    help="nanoGPT split of a single text: first 90%% / last 10%% of the characters")
@@ -119,6 +120,9 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.nproc is not None:
+        from .bench_parallel import run_from_args
+        return run_from_args(args)
     import sys as _sys
     if args.corpus == "docs":
         return run_bench_docs(args)
@@ -241,6 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser.add_argument("--loss", default="auto", choices=["auto", "chunked", "fused"])
     bench_parser.add_argument("--variants", action="store_true", help="also time the other loss and compile choices")
     bench_parser.add_argument("--peers", help="comma-separated subset of naive,autocast,hf-bf16,hf-compiled,fastppl")
+    bench_parser.add_argument("--nproc", metavar="N[,N...]",
+                              help="instead of the peers: fastppl eval tokens/s on 1 and N processes (GPUs) of this "
+                                   "machine, speed-up and scaling efficiency; a list such as 1,2,4,8 runs each")
+    bench_parser.add_argument("--tokenizer", help="with --nproc: the tokenizer whose vocabulary the random ids "
+                                                   "are drawn from (default: the model's; gpt2 for random:*)")
     bench_parser.add_argument("--json", help="write the report here")
     bench_parser.add_argument("--corpus", default="dense", choices=["dense", "docs"],
                               help="dense: random full rows, fastppl against HF peers; docs: synthetic documents "

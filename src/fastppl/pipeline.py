@@ -1,6 +1,7 @@
 """The evaluation pipeline: corpus -> tokens -> windows -> batches -> device sums -> metrics."""
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import os
@@ -81,6 +82,16 @@ def scored_bytes_by_document(documents: list[Document], tokens: list[np.ndarray]
     return total
 
 
+def with_decoded_text(document: Document, tokenizer: Tokenizer, vocab_size: int) -> Document:
+    """A pre-tokenised document (.npy) with its text decoded from its ids, so that bytes and words count
+    the text the ids stand for; the ids themselves are scored as they are, never re-encoded."""
+    largest = int(document.token_ids.max())
+    if largest >= vocab_size:
+        raise FastpplError(f"{document.id}: token id {largest:,} is outside the model's vocabulary of "
+                           f"{vocab_size:,}; the ids must come from the model's tokenizer")
+    return dataclasses.replace(document, text=tokenizer.hf.decode(document.token_ids.tolist()))
+
+
 def takes_document_ids(model: torch.nn.Module) -> bool:
     """Whether the model's forward can keep packed documents apart (the native architectures can)."""
     return "document_ids" in inspect.signature(model.forward).parameters
@@ -137,7 +148,8 @@ def evaluate(config: EvalConfig) -> dict:
 
     timings["load_tokenizer"] = time.perf_counter() - mark
     mark = time.perf_counter()
-    tokens = [encode_cached(tokenizer, d.text) for d in documents]
+    documents = [d if d.token_ids is None else with_decoded_text(d, tokenizer, model.vocab_size) for d in documents]
+    tokens = [encode_cached(tokenizer, d.text) if d.token_ids is None else d.token_ids for d in documents]
     timings["tokenize"] = time.perf_counter() - mark
     n_tokens = sum(len(t) for t in tokens)
     use_bos = config.window == "chunked" or config.bos

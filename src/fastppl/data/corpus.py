@@ -1,5 +1,6 @@
-"""Corpora: a UTF-8 text file (one document), a .jsonl file (one document per line), a built-in, or a
-document set (a directory of files, a Hugging Face dataset: fastppl.data.document_sets)."""
+"""Corpora: a UTF-8 text file (one document), a .jsonl file (one document per line), a .npy file of token
+ids (one pre-tokenised document), a built-in, or a document set (a directory of files, a Hugging Face
+dataset: fastppl.data.document_sets)."""
 from __future__ import annotations
 
 import hashlib
@@ -8,9 +9,11 @@ import os
 import shutil
 import tempfile
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+
+import numpy as np
 
 from ..config import cache_dir
 from ..errors import FastpplError
@@ -20,6 +23,9 @@ from ..errors import FastpplError
 class Document:
     id: str      # "path" for a text file, "path:line" for a .jsonl line
     text: str
+    # (n,) int64 ids of a pre-tokenised document (.npy), which the pipeline scores as they are; its text
+    # is then "" until the pipeline decodes the ids, for bytes and words
+    token_ids: Optional[np.ndarray] = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,23 @@ def _jsonl_documents(raw_text: str, path: Path, text_field: str) -> list[Documen
     return documents
 
 
+def token_id_document(path: Path) -> Document:
+    """A .npy file of token ids (1-D, integers, made by the model's tokenizer) as one document."""
+    if not path.exists():
+        raise FastpplError(f"{path}: no such file; check the --data path")
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise FastpplError(f"{path}: not a readable .npy file ({str(e).splitlines()[0][:200]})") from None
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise FastpplError(f"{path}: holds {ids.dtype} of shape {ids.shape}; a .npy corpus is a 1-D array of token ids")
+    if ids.size == 0:
+        raise FastpplError(f"{path}: holds no token ids")
+    if ids.min() < 0:
+        raise FastpplError(f"{path}: holds a negative token id ({ids.min()})")
+    return Document(id=str(path), text="", token_ids=ids.astype(np.int64))
+
+
 def load_documents(
     source: str, split: str = "all", text_field: str = "text",
     data_dir: Optional[str] = None, errors: str = "strict",
@@ -152,6 +175,10 @@ def load_documents(
         text = decode_utf8(read_bytes(path), str(path), errors)
         return [Document(id=source, text=split_text(text, split))]
     path = Path(source)
+    if path.suffix == ".npy":
+        if split != "all":
+            raise FastpplError("--split train/val applies to a text; use --split all with a .npy of token ids")
+        return [token_id_document(path)]
     if not path.exists() and "/" not in source and "." not in source:
         raise FastpplError(
             f"{source!r}: not a file and not a built-in corpus ({', '.join(BUILTINS)}); check --data"
