@@ -137,7 +137,7 @@ def run_parallel_bench(
     from .accel.compile import use_compile
     from .data.tokenize import load_tokenizer
     from .distributed import launch_env
-    from .engine.fused_loss import fused_loss_available
+    from .engine.loss import fused_loss_available
     from .engine.precision import resolve_device
     from .pipeline import default_tokenizer_name
 

@@ -252,6 +252,13 @@ class Distributed:
         return self._store(lambda store: store.check(keys))
 
     # scoring ----------------------------------------------------------------------------------------------
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest of every rank's value (e.g. --batch-size auto, sized from each rank's own free
+        memory): the ranks must plan the same batches, or their shares would not partition them."""
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        return int(tensor.item())
+
     def batch_hook(self, progress, share_tokens: int, total_tokens: int) -> Callable[[Batch], None]:
         """on_batch for score_batches: progress and failure polling. Rank 0's bar shows its own share
         scaled to the whole job: shares are balanced, so its fraction done approximates the job's."""

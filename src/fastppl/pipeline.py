@@ -89,7 +89,7 @@ def with_decoded_text(document: Document, tokenizer: Tokenizer, vocab_size: int)
     if largest >= vocab_size:
         raise FastpplError(f"{document.id}: token id {largest:,} is outside the model's vocabulary of "
                            f"{vocab_size:,}; the ids must come from the model's tokenizer")
-    return dataclasses.replace(document, text=tokenizer.hf.decode(document.token_ids.tolist()))
+    return dataclasses.replace(document, text=tokenizer.decode(document.token_ids.tolist()))
 
 
 def takes_document_ids(model: torch.nn.Module) -> bool:
@@ -205,6 +205,8 @@ def evaluate(config: EvalConfig) -> dict:
         batch_size = auto_batch_size(
             lambda rows: score_batches(score_fn, [make_batch(longest * rows, stream_ids, target_offsets, rows, ctx)],
                                        probe_sums, device), len(refs), device)
+        if dist:
+            batch_size = dist.min_over_ranks(batch_size)
     else:
         batch_size = min(config.batch_size, len(refs))
     timings["choose_batch_size"] = time.perf_counter() - mark
