@@ -119,6 +119,9 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.generate:
+        from .bench_generate import run_from_args
+        return run_from_args(args)
     import sys as _sys
     from .bench import format_table, run_bench as bench
     from .report import check_writable, write_json
@@ -211,15 +214,22 @@ def build_parser() -> argparse.ArgumentParser:
                              help="processes (GPUs) on this machine: re-runs the command under torchrun")
     eval_parser.set_defaults(run=run_eval)
     bench_parser = sub.add_parser("bench", help="fastppl against its peers on the same weights and tokens")
-    bench_parser.add_argument("--model", default="random:gpt2", help="random:gpt2[-medium|-large|-xl|-tiny]")
+    bench_parser.add_argument("--model", default="random:gpt2",
+                              help="random:<preset>: gpt2[-medium|-large|-xl|-tiny], llama-1b, llama-tiny")
     bench_parser.add_argument("--tokens", type=int, default=1_048_576, help="tokens through each peer")
     bench_parser.add_argument("--naive-tokens", type=int, help="tokens through the (slow) naive loop")
-    bench_parser.add_argument("--seq", type=int, default=1024)
-    bench_parser.add_argument("--batch-size", type=int, default=64)
+    bench_parser.add_argument("--seq", type=int, help="default 1024 (GPT-2), 2048 (Llama)")
+    bench_parser.add_argument("--batch-size", type=int, help="default 64 (GPT-2), 8 (Llama)")
     bench_parser.add_argument("--device", default="auto")
     bench_parser.add_argument("--loss", default="auto", choices=["auto", "chunked", "fused"])
     bench_parser.add_argument("--variants", action="store_true", help="also time the other loss and compile choices")
-    bench_parser.add_argument("--peers", help="comma-separated subset of naive,autocast,hf-bf16,hf-compiled,fastppl")
+    bench_parser.add_argument("--peers", help="comma-separated subset of naive,autocast,hf-bf16,hf-compiled,fastppl "
+                                              "(--generate: fastppl,hf-static,hf-dynamic)")
+    bench_parser.add_argument("--generate", action="store_true",
+                              help="decode speed: fastppl generate against transformers generate (static, dynamic cache)")
+    bench_parser.add_argument("--batch-sizes", default="1,64", help="--generate: comma-separated batch sizes")
+    bench_parser.add_argument("--new-tokens", type=int, default=256, help="--generate: new tokens per row")
+    bench_parser.add_argument("--prompt-tokens", type=int, default=32, help="--generate: random prompt tokens per row")
     bench_parser.add_argument("--json", help="write the report here")
     bench_parser.add_argument("--quiet", action="store_true")
     bench_parser.set_defaults(run=run_bench)
