@@ -1,13 +1,18 @@
 """fastppl bench: fastppl against its peers on the same weights and tokens, in one process.
 
-Peers (all Hugging Face transformers, the same random weights):
-  naive       GPT2LMHeadModel fp32, batch 1, loss via labels=, .item() after every step
+Models: any random:<preset>, GPT-2 or Llama (the peers are the transformers model of the same weights,
+GPT2LMHeadModel or LlamaForCausalLM, through fastppl.models.loading.native_to_hf).
+Peers (all Hugging Face transformers, the same random weights; Llama's default leaves out the slow two):
+  naive       the transformers model in fp32, batch 1, loss via labels=, .item() after every step
   autocast    fp32 weights under bf16 autocast, batch 16, labels=
   hf-bf16     bf16 weights, SDPA attention, batch B, labels=
   hf-compiled the same under torch.compile
   fastppl     fastppl's scorer as `eval` runs it (bf16 weights, fp32 loss, fused loss and MLP epilogue on CUDA)
-and a bf16 matmul ceiling. FLOPs are counted per scored token as forward matmul FLOPs:
-  2 * (12 * L * d^2 + d * V) + 2 * L * d * (T + 1)    (the last term: causal QK^T and AV, T/2 keys each)"""
+and a bf16 matmul ceiling. FLOPs are counted per scored token as forward matmul FLOPs (flops_per_token):
+  2 * (L * (d * (q + 2 kv) + q * d + mlp) + d * V) + 2 * L * q * (T + 1)
+with q = heads x head dim, kv = KV heads x head dim, mlp = the MLP's weights (GPT-2: 2 * d * 4d; Llama's
+SwiGLU: 3 * d * intermediate); the last term is causal QK^T and AV, (T + 1) / 2 keys on average. For GPT-2
+(q = kv = d) this is 2 * (12 * L * d^2 + d * V) + 2 * L * d * (T + 1)."""
 from __future__ import annotations
 
 import gc
@@ -40,8 +45,25 @@ class BenchRow:
         return self.tokens / self.seconds if self.seconds > 0 else float("nan")
 
 
-def flops_per_token(n_layer: int, d: int, vocab: int, seq_len: int) -> float:
-    return 2 * (12 * n_layer * d * d + d * vocab) + 2 * n_layer * d * (seq_len + 1)
+# (seq, batch, peers) when not given, by architecture: Llama-1B's naive and autocast loops take minutes
+DEFAULTS = {"gpt2": (1024, 64, ["naive", "autocast", "hf-bf16", "hf-compiled", "fastppl"]),
+            "llama": (2048, 8, ["hf-bf16", "hf-compiled", "fastppl"])}
+PEERS = ("naive", "autocast", "hf-bf16", "hf-compiled", "fastppl")
+
+
+def flops_per_token(config, seq_len: int) -> float:
+    """Forward matmul FLOPs per scored token of a GPT2Config or LlamaConfig at window length seq_len."""
+    from .models.llama import LlamaConfig
+    if isinstance(config, LlamaConfig):
+        L, d, V = config.n_layer, config.hidden_size, config.vocab_size
+        q, kv = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
+        mlp = 3 * d * config.intermediate_size                    # gate, up, down
+    else:
+        L, d, V = config.n_layer, config.n_embd, config.vocab_size
+        q = kv = d
+        mlp = 2 * d * 4 * d                                        # fc, proj
+    per_layer = d * (q + 2 * kv) + q * d + mlp                     # qkv, output projection, MLP
+    return 2 * (L * per_layer + d * V) + 2 * L * q * (seq_len + 1)
 
 
 def _sync(device: torch.device) -> None:
@@ -77,11 +99,13 @@ def matmul_ceiling(device: torch.device) -> float:
 
 
 def _hf_peer(native, dtype: torch.dtype, device: torch.device):
-    from transformers import GPT2Config, GPT2LMHeadModel
-    from .models.hf_convert import gpt2_config_to_hf, gpt2_state_dict_to_hf
-    hf = GPT2LMHeadModel(GPT2Config(**gpt2_config_to_hf(native.config), attn_implementation="sdpa"))
-    hf.load_state_dict(gpt2_state_dict_to_hf(native.float()), strict=False)
-    return hf.to(device=device, dtype=dtype).eval()
+    """The transformers model of native's weights (native stays where it is), with SDPA attention."""
+    from .models.loading import native_to_hf
+    with torch.device(device):      # built and initialised on the device: seconds less for a 1B model
+        hf = native_to_hf(native)
+    if getattr(hf.config, "_attn_implementation", "sdpa") != "sdpa":
+        hf.set_attn_implementation("sdpa")
+    return hf.to(dtype=dtype).eval()
 
 
 def _time_labels_peer(model, rows: np.ndarray, batch_size: int, device, autocast: bool,
@@ -144,26 +168,34 @@ def _time_fastppl(model, rows: np.ndarray, batch_size: int, device, loss: str, c
     return seconds, nll_sum / (n_rows * T), n_rows * T, compile_seconds
 
 
-def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_len: int = 1024,
-              batch_size: int = 64, device_name: str = "auto", peers: Optional[list[str]] = None,
+def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_len: Optional[int] = None,
+              batch_size: Optional[int] = None, device_name: str = "auto", peers: Optional[list[str]] = None,
               loss: str = "auto", naive_tokens: Optional[int] = None, log: Callable[[str], None] = print,
               variants: bool = False) -> dict:
-    """variants: also time fastppl with the other loss and compile choices (for docs/BENCHMARKS.md)."""
+    """variants: also time fastppl with the other loss and compile choices (for docs/BENCHMARKS.md).
+    seq_len, batch_size and peers default by architecture (DEFAULTS)."""
     from .engine.loss import fused_loss_available
-    from .models.loading import RANDOM_PREFIX, random_gpt2
+    from .models.llama import Llama
+    from .models.loading import RANDOM_PREFIX, random_native
     device = resolve_device(device_name)
-    if not model_spec.startswith(RANDOM_PREFIX + "gpt2"):
-        raise FastpplError(f"bench takes a random:gpt2* preset, got {model_spec!r}")
-    native = random_gpt2(model_spec[len(RANDOM_PREFIX):])
+    if not model_spec.startswith(RANDOM_PREFIX):
+        raise FastpplError(f"bench takes a random:<preset> model, got {model_spec!r}")
+    # drawn on the device (milliseconds, not seconds, for 1B weights), kept on the CPU in fp32 as the
+    # master copy, so that each peer's peak memory holds its own weights only
+    native = random_native(model_spec[len(RANDOM_PREFIX):], 0, device).to("cpu")
     cfg = native.config
-    if seq_len > cfg.n_positions:
-        raise FastpplError(f"--seq {seq_len} exceeds the model's {cfg.n_positions} positions")
-    peers = peers or ["naive", "autocast", "hf-bf16", "hf-compiled", "fastppl"]
+    default_seq, default_batch, default_peers = DEFAULTS["llama" if isinstance(native, Llama) else "gpt2"]
+    seq_len, batch_size, peers = seq_len or default_seq, batch_size or default_batch, peers or default_peers
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        raise FastpplError(f"unknown --peers {', '.join(unknown)}; use a subset of {','.join(PEERS)}")
+    if seq_len > native.max_positions:
+        raise FastpplError(f"--seq {seq_len} exceeds the model's {native.max_positions} positions")
     if loss == "auto":
         loss = "fused" if fused_loss_available(device) else "chunked"
     on_cuda = device.type == "cuda"
     n_rows = max(batch_size, n_tokens // seq_len // batch_size * batch_size)
-    rows = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(n_rows, seq_len + 1), dtype=np.int64)
+    rows = np.random.default_rng(0).integers(0, native.vocab_size, size=(n_rows, seq_len + 1), dtype=np.int64)
     naive_rows = rows[: max(1, (naive_tokens or n_tokens) // seq_len)]
     results: list[BenchRow] = []
 
@@ -198,6 +230,7 @@ def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_le
             s, nll, tok = _time_labels_peer(compiled, rows, batch_size, device, autocast=False, item_per_step=False)
             record(BenchRow("hf-compiled", tok, s, nll, _peak(device), f"the same, torch.compile"))
             del compiled
+            torch._dynamo.reset()   # its compiled graphs could keep hf16's weights alive into fastppl's peak
         del hf16
     if "fastppl" in peers:
         model = native.to(device=device, dtype=torch.bfloat16 if on_cuda else torch.float32)
@@ -224,7 +257,7 @@ def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_le
                                 f"{variant_loss} loss, {'compiled' if variant_compile else 'eager'}, "
                                 f"warm-up {compile_s:.1f} s"))
 
-    flops = flops_per_token(cfg.n_layer, cfg.n_embd, cfg.vocab_size, seq_len)
+    flops = flops_per_token(cfg, seq_len)
     fast = next((r for r in results if r.name == "fastppl"), None)
     # a variant better than the default is reported, not silently used: the default is what eval runs
     table = []
@@ -236,6 +269,7 @@ def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_le
         })
     return {
         "model": model_spec, "seq_len": seq_len, "batch_size": batch_size, "device": str(device),
+        "parameters": sum(p.numel() for p in native.parameters()),
         "device_name": torch.cuda.get_device_name(device) if on_cuda else "cpu", "torch": torch.__version__,
         "matmul_ceiling_flops": ceiling, "flops_per_token": flops, "rows": table,
         "date": time.strftime("%Y-%m-%d"),

@@ -120,9 +120,16 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.generate:
+        from .bench_generate import run_from_args as run_generate_bench
+        return run_generate_bench(args)
+    if args.nproc is not None or args.corpus == "docs":
+        # these measure fastppl alone on GPT-2-shaped rows: the dense bench's defaults
+        args.seq = args.seq or 1024
+        args.batch_size = args.batch_size or 64
     if args.nproc is not None:
-        from .bench_parallel import run_from_args
-        return run_from_args(args)
+        from .bench_parallel import run_from_args as run_parallel_bench
+        return run_parallel_bench(args)
     import sys as _sys
     if args.corpus == "docs":
         return run_bench_docs(args)
@@ -236,20 +243,28 @@ def build_parser() -> argparse.ArgumentParser:
                              help="processes (GPUs) on this machine: re-runs the command under torchrun")
     eval_parser.set_defaults(run=run_eval)
     bench_parser = sub.add_parser("bench", help="fastppl against its peers on the same weights and tokens")
-    bench_parser.add_argument("--model", default="random:gpt2", help="random:gpt2[-medium|-large|-xl|-tiny]")
+    bench_parser.add_argument("--model", default="random:gpt2",
+                              help="random:<preset>: gpt2[-medium|-large|-xl|-tiny], llama-1b, llama-tiny")
     bench_parser.add_argument("--tokens", type=int, default=1_048_576, help="tokens through each peer")
     bench_parser.add_argument("--naive-tokens", type=int, help="tokens through the (slow) naive loop")
-    bench_parser.add_argument("--seq", "--ctx", type=int, default=1024, help="row length (--corpus docs: ctx)")
-    bench_parser.add_argument("--batch-size", type=int, default=64)
+    bench_parser.add_argument("--seq", "--ctx", type=int,
+                              help="row length: default 1024 (GPT-2), 2048 (Llama); --corpus docs: ctx")
+    bench_parser.add_argument("--batch-size", type=int, help="default 64 (GPT-2), 8 (Llama)")
     bench_parser.add_argument("--device", default="auto")
     bench_parser.add_argument("--loss", default="auto", choices=["auto", "chunked", "fused"])
     bench_parser.add_argument("--variants", action="store_true", help="also time the other loss and compile choices")
-    bench_parser.add_argument("--peers", help="comma-separated subset of naive,autocast,hf-bf16,hf-compiled,fastppl")
+    bench_parser.add_argument("--peers", help="comma-separated subset of naive,autocast,hf-bf16,hf-compiled,fastppl "
+                                              "(--generate: fastppl,hf-static,hf-dynamic)")
     bench_parser.add_argument("--nproc", metavar="N[,N...]",
                               help="instead of the peers: fastppl eval tokens/s on 1 and N processes (GPUs) of this "
                                    "machine, speed-up and scaling efficiency; a list such as 1,2,4,8 runs each")
     bench_parser.add_argument("--tokenizer", help="with --nproc: the tokenizer whose vocabulary the random ids "
                                                    "are drawn from (default: the model's; gpt2 for random:*)")
+    bench_parser.add_argument("--generate", action="store_true",
+                              help="decode speed: fastppl generate against transformers generate (static, dynamic cache)")
+    bench_parser.add_argument("--batch-sizes", default="1,64", help="--generate: comma-separated batch sizes")
+    bench_parser.add_argument("--new-tokens", type=int, default=256, help="--generate: new tokens per row")
+    bench_parser.add_argument("--prompt-tokens", type=int, default=32, help="--generate: random prompt tokens per row")
     bench_parser.add_argument("--json", help="write the report here")
     bench_parser.add_argument("--corpus", default="dense", choices=["dense", "docs"],
                               help="dense: random full rows, fastppl against HF peers; docs: synthetic documents "
