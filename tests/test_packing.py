@@ -100,7 +100,8 @@ def test_padding_waste_golden():
 
 def test_resolve_batching():
     assert resolve_batching("auto", 1, True)[0] == "padded"
-    assert resolve_batching("auto", 5, True)[0] == "packed"
+    assert resolve_batching("auto", 5, True)[0] == "bucketed"   # measured faster than packed on the H200
+    assert resolve_batching("packed", 5, True)[0] == "packed"
     assert resolve_batching("auto", 5, False)[0] == "bucketed"
     assert resolve_batching("bucketed", 5, True)[0] == "bucketed"
     with pytest.raises(FastpplError, match="document_ids"):

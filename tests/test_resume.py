@@ -34,7 +34,8 @@ def corpus_dir(tmp_path_factory, shakespeare):
 def eval_args(tokenizer_dir, corpus_dir, out_dir: Path, *extra):
     return ["eval", "--model", "random:gpt2-tiny", "--tokenizer", str(tokenizer_dir), "--data", str(corpus_dir),
             "--ctx", "64", "--device", "cpu", "--quiet", "--batch-size", "2", "--json", str(out_dir / "r.json"),
-            "--per-doc", str(out_dir / "docs.jsonl"), "--per-token", str(out_dir / "tokens.npy"), *extra]
+            "--per-doc", str(out_dir / "docs.jsonl"), "--per-token", str(out_dir / "tokens.npy"),
+            "--batching", "packed", *extra]   # the mode with the most state per batch
 
 
 def run_cli(args, kill_after=None):
