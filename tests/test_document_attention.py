@@ -89,6 +89,11 @@ def test_cuda_packed_equals_padded_in_fp32(tokenizer_dir, shakespeare, tmp_path,
                                   compile=compile_setting, per_doc="(returned)"))
         for mode in ("packed", "bucketed", "padded")
     }
+    if compile_setting == "on":
+        # packed rows under torch.compile hit an illegal memory access in Inductor (torch 2.11, H200):
+        # fastppl runs them eagerly and says so; the other modes do compile
+        assert results["packed"]["compile"].startswith("off (packed rows run eager")
+        assert results["bucketed"]["compile"].startswith("on") and results["padded"]["compile"].startswith("on")
     for mode in ("packed", "bucketed"):
         assert results[mode]["nll_sum"] == pytest.approx(results["padded"]["nll_sum"], rel=1e-6)
         for a, b in zip(results[mode]["_per_doc"], results["padded"]["_per_doc"]):
