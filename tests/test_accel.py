@@ -83,3 +83,33 @@ def test_bench_cpu_path(tmp_path, capsys):
     assert max(nlls) - min(nlls) < 0.05      # same weights, same tokens: the peers agree
     assert all(r["tokens_per_second"] > 0 for r in report["rows"])
     assert "fastppl" in capsys.readouterr().out
+
+
+def test_out_of_memory_after_the_forward_adds_nothing(monkeypatch):
+    """An allocation that fails while the sums are updated (a copy of the per-document or per-token
+    index) must leave every sum as it was, so that the retried batch is counted once."""
+    import fastppl.engine.score as score_module
+    model, refs, build, ctx = _setup()
+    plain = make_score_fn(model)
+
+    def run():
+        sums = DeviceSums.zeros(ctx, torch.device("cpu"), 700, n_documents=1)
+        plans = plan_batches([r.window.length for r in refs], "padded", ctx, 8)
+        score_plans(plain, plans, build, sums, torch.device("cpu"), split=split_rows)
+        return sums
+
+    reference = run()
+    real_to_device, calls = score_module.to_device, []
+
+    def failing_once(array, device):
+        calls.append(1)
+        if len(calls) == 6:   # the 1st batch's index copies, after its inputs and its forward
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+        return real_to_device(array, device)
+
+    monkeypatch.setattr(score_module, "to_device", failing_once)
+    sums = run()
+    assert len(calls) > 6
+    assert sums.nll_sum.item() == pytest.approx(reference.nll_sum.item(), rel=1e-9)
+    assert sums.position_count.sum().item() == reference.position_count.sum().item() == 700
+    assert sums.per_document[:-1].sum().item() == pytest.approx(reference.per_document[:-1].sum().item(), rel=1e-9)

@@ -142,10 +142,25 @@ def test_cli_kv_cache_on_one_layer_model_reports_it(tmp_path, tokenizer_dir):
         out = tmp_path / f"{kv_cache}.json"
         rc = main(["eval", "--model", str(tmp_path / "model"), "--tokenizer", str(tokenizer_dir), "--data", str(data),
                    "--window", "sliding", "--ctx", "16", "--stride", "4", "--bos", "--kv-cache", kv_cache,
-                   "--device", "cpu", "--json", str(out), "--quiet", "--batch-size", "2"])
+                   "--device", "cpu", "--json", str(out), "--quiet", "--batch-size", "2",
+                   "--per-doc", str(tmp_path / f"{kv_cache}.jsonl")])
         assert rc == 0
         results[kv_cache] = json.loads(out.read_text())
     off, on = results["off"], results["on"]
+    # every other sum follows the cached path too: per document, and the spread by position
+    per_doc = {k: [json.loads(line) for line in (tmp_path / f"{k}.jsonl").read_text().splitlines()] for k in results}
+    assert len(per_doc["on"]) == len(per_doc["off"]) == 5
+    for a, b in zip(per_doc["on"], per_doc["off"]):
+        assert a["id"] == b["id"] and a["tokens"] == b["tokens"]
+        assert a["nll_sum"] == pytest.approx(b["nll_sum"], rel=1e-6)
+    assert sum(d["nll_sum"] for d in per_doc["on"]) == pytest.approx(on["nll_sum"], rel=1e-9)
+    for a, b in zip(on["nll_by_position_std"], off["nll_by_position_std"]):
+        assert (a is None and b is None) or a == pytest.approx(b, rel=1e-4, abs=1e-6)
+    assert on["batches"] is None and on["batching"] == "kv-cache rows"
+    rc = main(["eval", "--model", str(tmp_path / "model"), "--tokenizer", str(tokenizer_dir), "--data", str(data),
+               "--window", "sliding", "--ctx", "16", "--stride", "4", "--kv-cache", "on", "--device", "cpu",
+               "--quiet", "--resume", str(tmp_path / "resume")])
+    assert rc == 2   # the cached path has no planned batches to checkpoint
     assert on["kv_cache"].startswith("on") and off["kv_cache"].startswith("off")
     assert on["tokens_scored"] == off["tokens_scored"] == on["tokens_forwarded"] < off["tokens_forwarded"]
     assert on["tokens_forwarded_without_cache"] == off["tokens_forwarded"]

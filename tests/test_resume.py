@@ -17,7 +17,8 @@ from fastppl.resume import CHECKPOINT_FILE, KILL_AFTER_BATCHES_ENV
 SRC = Path(__file__).resolve().parents[1] / "src"
 # everything a resumed run must reproduce bit for bit
 EXACT_FIELDS = ("nll_sum", "nll", "ppl", "tokens_scored", "bytes", "words", "word_perplexity", "byte_perplexity",
-                "bits_per_byte", "nll_by_position", "windows", "batches", "padding_waste")
+                "bits_per_byte", "nll_by_position", "nll_by_position_std", "tokens_by_position", "windows", "batches",
+                "padding_waste")
 
 
 @pytest.fixture(scope="module")

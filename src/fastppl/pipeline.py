@@ -218,6 +218,9 @@ def evaluate(config: EvalConfig) -> dict:
     use_kv_cache, kv_cache_reason = choose_kv_cache(config.kv_cache, config.window, model)
     if dist and (use_kv_cache or config.resume):
         raise FastpplError("--kv-cache on and --resume run in one process only; drop them or run without torchrun")
+    if use_kv_cache and config.resume:
+        # the cached path scores documents row by row, not in the planned batches that checkpoints count
+        raise FastpplError("--resume does not work with --kv-cache on; drop one of them")
 
     sums = DeviceSums.zeros(ctx, device, n_tokens if config.per_token else None, len(documents))
     checkpointer, start_batch = None, 0
@@ -258,6 +261,7 @@ def evaluate(config: EvalConfig) -> dict:
             model, refs, stream_ids, target_offsets, ctx,
             config.stride or max(ctx // 2, 1), batch_size, sums, device, on_step=progress.advance,
             compile_fn=compile_score_fn if compiled else None, chunk_rows=config.loss_chunk_rows,
+            document_starts=np.array([s.token_offset for s in streams], dtype=np.int64),
         )
         tokens_forwarded = n_scored
     else:
@@ -302,10 +306,11 @@ def evaluate(config: EvalConfig) -> dict:
         "documents": len(documents),
         "documents_skipped": len(documents) - len(scored_documents),
         "windows": len(refs),
-        "batching": batching,
-        "batching_reason": batching_reason,
-        "batches": len(plans),
-        "padding_waste": padding_waste(plans, window_lengths),
+        # the cached sliding path scores document rows of its own, not the planned batches
+        "batching": "kv-cache rows" if use_kv_cache else batching,
+        "batching_reason": "one row per document (--kv-cache on)" if use_kv_cache else batching_reason,
+        "batches": None if use_kv_cache else len(plans),
+        "padding_waste": None if use_kv_cache else padding_waste(plans, window_lengths),
         "ctx": ctx,
         "stride": (config.stride or max(ctx // 2, 1)) if config.window == "sliding" else None,
         "window": config.window,

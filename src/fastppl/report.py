@@ -79,8 +79,9 @@ def summary(result: dict) -> str:
         f"data        {', '.join(cfg['data'])}  split={cfg['split']}  {result['documents']} document(s)"
         + (f" ({result['documents_skipped']} skipped: no token to score)" if result.get("documents_skipped") else ""),
         f"windows     {window}  {result['windows']:,} windows",
-        f"batching    {result['batching']}  {result['batches']:,} batches  "
-        f"padding waste {result['padding_waste']:.1%} (padded tokens / real tokens)"
+        f"batching    {result['batching']}"
+        + (f"  {result['batches']:,} batches  padding waste {result['padding_waste']:.1%} (padded tokens / real tokens)"
+           if result.get("batches") is not None else "")
         + (f"  resumed after batch {result['resumed_from_batch']:,}" if result.get("resumed_from_batch") else ""),
         f"tokens      {result['tokens_scored']:,} scored of {result['tokens_total']:,}  ({result['bytes']:,} bytes)",
         f"nll         {result['nll']:.6f} nats/token",

@@ -11,6 +11,7 @@ DIR/checkpoint.npz: arrays of DeviceSums, `finished_windows` (bool, by window in
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -27,10 +28,10 @@ from .errors import FastpplError
 from .report import write_atomic
 
 CHECKPOINT_FILE = "checkpoint.npz"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2   # 2: every DeviceSums field is checkpointed (1 lacked the squared sums)
 # EvalConfig fields that do not change what is computed: where results go and how often to checkpoint
 NOT_IN_FINGERPRINT = ("quiet", "resume", "per_doc", "checkpoint_seconds", "checkpoint_batches")
-SUM_FIELDS = ("nll_sum", "position_nll_sum", "position_count", "per_token", "per_document")
+SUM_FIELDS = tuple(f.name for f in dataclasses.fields(DeviceSums))   # all of them, so none can be forgotten
 KILL_AFTER_BATCHES_ENV = "FASTPPL_TEST_SIGKILL_AFTER_BATCHES"   # tests: SIGKILL itself after this many batches
 
 

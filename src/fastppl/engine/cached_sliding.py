@@ -46,7 +46,7 @@ from ..data.batching import WindowRef
 from ..errors import FastpplError
 from ..models.kv_cache import CacheStep, remove_kv_cache, setup_kv_cache
 from .loss import chunked_token_nll
-from .score import DeviceSums
+from .score import DeviceSums, accumulate, to_device
 
 
 def is_rotary(model: nn.Module) -> bool:
@@ -148,11 +148,6 @@ def iter_steps(rows: list[list[Chunk]], streams: Sequence[np.ndarray], stream_of
         yield x
 
 
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    tensor = torch.from_numpy(array)
-    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor.to(device)
-
-
 def make_step_fn(model: nn.Module, slot_serial: torch.Tensor, chunk_rows: int = 8192):
     """(input_ids, targets, score_mask, positions, query_serial, slots, window_serial) -> (B, S) fp32 NLL,
     0 where not scored; updates the caches and the slot table (B, L) in place."""
@@ -179,10 +174,11 @@ def score_cached_sliding(
     model: nn.Module, refs: Sequence[WindowRef], streams: Sequence[np.ndarray], stream_offsets: Sequence[int],
     ctx: int, stride: int, batch_size: int, sums: DeviceSums, device: torch.device,
     on_step: Optional[Callable[[int], None]] = None, compile_fn: Optional[Callable] = None,
-    chunk_rows: int = 8192,
+    chunk_rows: int = 8192, document_starts: Optional[np.ndarray] = None,
 ) -> int:
     """Score the sliding windows `refs` with cached keys and values into sums; returns the number of forwards.
-    stream_offsets as in fastppl.data.batching.make_batch."""
+    stream_offsets as in fastppl.data.batching.make_batch; document_starts (n_documents,): each document's
+    first index in the corpus' token array, for the per-document sums."""
     assert is_rotary(model), "cached sliding windows need a rotary model"
     chunk_len = min(stride, ctx - 1)
     rows = assign_rows(plan_chunks(refs, chunk_len), batch_size)
@@ -195,17 +191,14 @@ def score_cached_sliding(
         if compile_fn is not None:
             step_fn = compile_fn(step_fn)
         for x in iter_steps(rows, streams, stream_offsets, chunk_len, ring):
-            inputs = [_to_device(a, device) for a in (x.input_ids, x.targets, x.score_mask, x.positions,
+            inputs = [to_device(a, device) for a in (x.input_ids, x.targets, x.score_mask, x.positions,
                                                        x.query_serial, x.slots, x.window_serial)]
             nll = step_fn(*inputs)                                                  # (B, S) fp32
-            score_mask, positions = inputs[2], inputs[3]
-            sums.nll_sum += nll.sum(dtype=torch.float64)
-            sums.position_nll_sum.index_add_(0, positions.view(-1), nll.view(-1).double())
-            sums.position_count.index_add_(0, positions.view(-1), score_mask.view(-1).double())
-            if sums.per_token is not None:
-                sink = sums.per_token.shape[0] - 1
-                index = _to_device(x.token_index, device).view(-1)
-                sums.per_token.index_copy_(0, torch.where(index >= 0, index, sink), nll.view(-1))
+            target_document = None
+            if document_starts is not None:   # the document of each scored target, from its corpus index
+                target_document = np.where(x.token_index >= 0,
+                                           np.searchsorted(document_starts, x.token_index, side="right") - 1, -1)
+            accumulate(sums, nll, inputs[2], device, inputs[3], target_document, x.token_index)
             if on_step is not None:
                 on_step(x.n_scored)
     finally:

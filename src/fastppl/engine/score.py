@@ -63,7 +63,7 @@ class DeviceSums:
         return cls(zeros(), zeros(seq_len), zeros(seq_len), zeros(seq_len), per_token, per_document)
 
 
-def _to_device(array, device: torch.device) -> Optional[torch.Tensor]:
+def to_device(array, device: torch.device) -> Optional[torch.Tensor]:
     if array is None:
         return None
     tensor = torch.from_numpy(array)
@@ -72,42 +72,63 @@ def _to_device(array, device: torch.device) -> Optional[torch.Tensor]:
     return tensor.to(device)
 
 
+def accumulate(
+    sums: DeviceSums, nll: torch.Tensor, score_mask: torch.Tensor, device: torch.device,
+    position_ids: Optional[torch.Tensor] = None,      # (B, T) on the device; None: column = position
+    target_document=None, token_index=None,          # (B, T) host arrays, -1 where unscored
+) -> None:
+    """Add one batch's (B, T) fp32 NLL (0 where unscored) to every running sum, on the device. Everything
+    that allocates (copies, casts, index tensors) happens before the first sum is touched, so an
+    out-of-memory error in here leaves the sums as they were and the batch can be scored again."""
+    flat_nll = nll.view(-1).double()                                    # (B * T,) for the scatter-adds
+    flat_sq = flat_nll * flat_nll                                       # fp32 squared: exact in float64
+    total = nll.sum(dtype=torch.float64)
+    if position_ids is None:   # column == position inside the window; T < ctx when bucketed
+        T = nll.shape[1]
+        by_position = (nll.sum(dim=0, dtype=torch.float64), score_mask.sum(dim=0, dtype=torch.float64),
+                       flat_sq.view_as(nll).sum(dim=0))
+    else:
+        positions = position_ids.reshape(-1)
+        counts = score_mask.reshape(-1).double()
+    document = token = None
+    if sums.per_document is not None and target_document is not None:
+        document = to_device(target_document, device).view(-1)
+        document = torch.where(document >= 0, document, sums.per_document.shape[0] - 1)   # unscored: the sink
+    if sums.per_token is not None and token_index is not None:
+        token = to_device(token_index, device).view(-1)
+        token = torch.where(token >= 0, token, sums.per_token.shape[0] - 1)
+        token_nll = nll.reshape(-1)
+
+    sums.nll_sum += total
+    if position_ids is None:
+        sums.position_nll_sum[:T] += by_position[0]
+        sums.position_count[:T] += by_position[1]
+        sums.position_nll_sq_sum[:T] += by_position[2]
+    else:
+        sums.position_nll_sum.index_add_(0, positions, flat_nll)
+        sums.position_count.index_add_(0, positions, counts)
+        sums.position_nll_sq_sum.index_add_(0, positions, flat_sq)
+    if document is not None:
+        sums.per_document.index_add_(0, document, flat_nll)   # a scatter-add on the device, no host sync
+    if token is not None:
+        sums.per_token.index_copy_(0, token, token_nll)
+
+
 @torch.inference_mode()
 def score_batches(
     score_fn: ScoreFn, batches: Iterable[Batch], sums: DeviceSums, device: torch.device,
     on_batch: Optional[Callable[[Batch], None]] = None,
 ) -> DeviceSums:
     for batch in batches:
-        input_ids = _to_device(batch.input_ids, device)
-        targets = _to_device(batch.targets, device)
-        score_mask = _to_device(batch.score_mask, device)
-        position_ids = _to_device(batch.position_ids, device)
-        document_ids = _to_device(batch.document_ids, device)
+        input_ids = to_device(batch.input_ids, device)
+        targets = to_device(batch.targets, device)
+        score_mask = to_device(batch.score_mask, device)
+        position_ids = to_device(batch.position_ids, device)
+        document_ids = to_device(batch.document_ids, device)
         # unpacked batches call score_fn with three arguments, as any scorer of (B, T) rows takes
         packed = () if document_ids is None else (position_ids, document_ids)
         nll = score_fn(input_ids, targets, score_mask, *packed)         # (B, T) fp32
-        sums.nll_sum += nll.sum(dtype=torch.float64)
-        flat_nll = nll.view(-1).double()                                # (B * T,) for the scatter-adds
-        if position_ids is None:   # column == position inside the window; T < ctx when bucketed
-            T = nll.shape[1]
-            sums.position_nll_sum[:T] += nll.sum(dim=0, dtype=torch.float64)
-            sums.position_count[:T] += score_mask.sum(dim=0, dtype=torch.float64)
-            sums.position_nll_sq_sum[:T] += (flat_nll * flat_nll).view_as(nll).sum(dim=0)  # fp32 squared: exact in float64
-        else:
-            positions = position_ids.view(-1)
-            sums.position_nll_sum.index_add_(0, positions, flat_nll)
-            sums.position_count.index_add_(0, positions, score_mask.view(-1).double())
-            sums.position_nll_sq_sum.index_add_(0, positions, flat_nll * flat_nll)
-        if sums.per_document is not None and batch.target_document is not None:
-            sink = sums.per_document.shape[0] - 1
-            document = _to_device(batch.target_document, device).view(-1)
-            # a scatter-add on the device, no host sync; unscored slots add their 0 to the sink
-            sums.per_document.index_add_(0, torch.where(document >= 0, document, sink), flat_nll)
-        if sums.per_token is not None:
-            sink = sums.per_token.shape[0] - 1
-            index = _to_device(batch.token_index, device).view(-1)
-            index = torch.where(index >= 0, index, sink)
-            sums.per_token.index_copy_(0, index, nll.view(-1))
+        accumulate(sums, nll, score_mask, device, position_ids, batch.target_document, batch.token_index)
         if on_batch is not None:
             on_batch(batch)
     return sums
