@@ -328,3 +328,10 @@ def test_cuda_without_a_gpu(text, outputs, tokenizer_dir, capsys):
     args = _args(TINY, text, outputs, tokenizer_dir)
     args[args.index("--device") + 1] = "cuda"
     _assert_user_error(*_main(capsys, args), outputs, "no CUDA GPU is visible")
+
+
+def test_checkpoint_seconds_nan_is_refused():
+    from fastppl.config import EvalConfig
+    from fastppl.errors import FastpplError
+    with pytest.raises(FastpplError, match="checkpoint-seconds"):
+        EvalConfig(model="random:gpt2-tiny", data=["x.txt"], checkpoint_seconds=float("nan"))

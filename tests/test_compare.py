@@ -189,3 +189,17 @@ def test_comparison_figures(tmp_path, capsys):
     old = write(tmp_path / "old.json", {k: v for k, v in make_result().items() if not k.startswith("nll_by")})
     assert main(["compare", a, old, "--plot", str(tmp_path / "x.png")]) == 2
     assert "has no nll_by_position" in one_line_error(capsys) and not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize("report", [
+    {"nll": "x", "ppl": 1, "tokens_scored": 1, "config": {}},
+    {"nll": 1.0, "ppl": 1.0, "tokens_scored": "a", "config": {"data": ["a.txt"]}},
+    {"nll": 1.0, "ppl": 1.0, "tokens_scored": 1, "config": {"data": 5}},
+])
+def test_fields_of_the_wrong_type_are_a_one_line_error(tmp_path, capsys, report):
+    from fastppl.cli import main
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(report))
+    assert main(["compare", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fastppl: error: ") and err.count("\n") == 1 and "wrong type" in err

@@ -55,3 +55,14 @@ def test_npy_corpus_path_and_split_errors(tmp_path, tokenizer_dir):
     with pytest.raises(FastpplError, match="--split all"):
         evaluate(EvalConfig(model="random:gpt2-tiny", data=[str(tmp_path / "ids.npy")], split="val",
                             tokenizer=str(tokenizer_dir), device="cpu", quiet=True))
+
+
+def test_uint64_ids_beyond_int64_are_refused(tmp_path, capsys, tokenizer_dir):
+    import numpy as np
+    from fastppl.cli import main
+    path = tmp_path / "u64.npy"
+    np.save(path, np.array([2**63 + 5, 5, 6], dtype=np.uint64))
+    rc = main(["eval", "--model", "random:gpt2-tiny", "--tokenizer", str(tokenizer_dir), "--data", str(path),
+               "--device", "cpu", "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "too large" in err and err.count("\n") == 1

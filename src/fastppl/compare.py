@@ -76,6 +76,12 @@ def load_run(path: str, label: Optional[str] = None) -> Run:
     if missing or not isinstance(result["config"], dict):
         raise FastpplError(f"{path}: not a fastppl eval report (no {missing[0] if missing else 'config'!r} field); "
                            "pass a file written by fastppl eval --json")
+    numeric = [f for f in ("nll", "ppl", "tokens_scored")
+                if f in result and (isinstance(result[f], bool) or not isinstance(result[f], (int, float)))]
+    data = result["config"].get("data", [])
+    if numeric or not isinstance(data, list):
+        raise FastpplError(f"{path}: not a fastppl eval report ({numeric[0] if numeric else 'config.data'!r} has the "
+                           "wrong type); pass a file written by fastppl eval --json")
     return Run(path, label or Path(path).stem, result)
 
 

@@ -84,8 +84,8 @@ class EvalConfig:
             raise FastpplError(f"unknown --batching {self.batching!r}; use one of {', '.join(BATCHING_SETTINGS)}")
         if self.checkpoint_batches is not None and self.checkpoint_batches < 1:
             raise FastpplError(f"--checkpoint-batches must be at least 1, got {self.checkpoint_batches}")
-        if self.checkpoint_seconds < 0:
-            raise FastpplError(f"--checkpoint-seconds must not be negative, got {self.checkpoint_seconds}")
+        if not (self.checkpoint_seconds >= 0):   # also refuses NaN, which would never trigger a checkpoint
+            raise FastpplError(f"--checkpoint-seconds must be a number >= 0, got {self.checkpoint_seconds}")
         if self.loss_chunk_rows < 1:
             raise FastpplError("--loss-chunk-rows must be at least 1")
 

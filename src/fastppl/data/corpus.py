@@ -155,6 +155,8 @@ def token_id_document(path: Path) -> Document:
         raise FastpplError(f"{path}: holds no token ids")
     if ids.min() < 0:
         raise FastpplError(f"{path}: holds a negative token id ({ids.min()})")
+    if ids.max() > np.iinfo(np.int64).max:   # uint64 beyond int64 would wrap to negative ids
+        raise FastpplError(f"{path}: holds a token id ({ids.max()}) too large for any vocabulary")
     return Document(id=str(path), text="", token_ids=ids.astype(np.int64))
 
 
