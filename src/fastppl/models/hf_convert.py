@@ -98,13 +98,17 @@ def load_hf_gpt2_state_dict(model: GPT2, hf_state: dict[str, torch.Tensor], sour
             tensor = hf_state[hf]
             if _CONV1D.search(hf):
                 tensor = tensor.t()
-            target = native_params[native]
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise FastpplError(
-                    f"{source}: {hf} has shape {tuple(tensor.shape)}, config.json implies "
-                    f"{tuple(target.shape)}; the checkpoint does not match its config"
-                )
-            target.copy_(tensor)
+            _copy_checked(native_params[native], tensor, source, hf)
+
+
+def _copy_checked(target: torch.Tensor, tensor: torch.Tensor, source: str, hf_name: str) -> None:
+    """target <- tensor, after checking that the checkpoint's shape is the one the config implies."""
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise FastpplError(
+            f"{source}: {hf_name} has shape {tuple(tensor.shape)}, config.json implies "
+            f"{tuple(target.shape)}; the checkpoint does not match its config"
+        )
+    target.copy_(tensor)
 
 
 def gpt2_state_dict_to_hf(model: GPT2) -> dict[str, torch.Tensor]:
@@ -250,13 +254,7 @@ def load_hf_llama_state_dict(model: Llama, hf_state: dict[str, torch.Tensor], so
     with torch.no_grad():
         for native, hf_names in names.items():
             tensor = torch.cat([hf_state[hf] for hf in hf_names]) if len(hf_names) > 1 else hf_state[hf_names[0]]
-            target = native_params[native]
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise FastpplError(
-                    f"{source}: {' + '.join(hf_names)} has shape {tuple(tensor.shape)}, config.json implies "
-                    f"{tuple(target.shape)}; the checkpoint does not match its config"
-                )
-            target.copy_(tensor)
+            _copy_checked(native_params[native], tensor, source, " + ".join(hf_names))
 
 
 def llama_state_dict_to_hf(model: Llama) -> dict[str, torch.Tensor]:
