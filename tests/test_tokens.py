@@ -199,3 +199,20 @@ def test_tokenizer_json_fast_path_equals_transformers(tokenizer_dir, shakespeare
     assert fast.encode(text).tolist() == reference(text, add_special_tokens=False)["input_ids"]
     assert (fast.bos_id, fast.eos_id, fast.vocab_size) == (reference.bos_token_id, reference.eos_token_id, len(reference))
     assert fast.decode(fast.encode(text)) == text
+
+
+def test_hub_tokenizer_goes_through_the_fast_path(tokenizer_dir, monkeypatch):
+    """A hub id's tokenizer files are fetched with huggingface_hub (faked here: no network in tests)
+    and read by `tokenizers` directly, without transformers' AutoTokenizer."""
+    import huggingface_hub
+    import transformers
+    from fastppl.data.tokenize import load_tokenizer
+
+    asked = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo_id, **kwargs: asked.append((repo_id, kwargs)) or str(tokenizer_dir))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("transformers was used")))
+    tokenizer = load_tokenizer("openai-community/gpt2")
+    assert asked and asked[0][0] == "openai-community/gpt2" and "tokenizer.json" in asked[0][1]["allow_patterns"]
+    assert tokenizer.encode("Hello world").tolist() == [15496, 995]

@@ -75,10 +75,25 @@ def _load_tokenizer_json(directory: Path, name: str) -> Optional[Tokenizer]:
                      eos_id=ids["eos_token"], vocab_size=backend.get_vocab_size(with_added_tokens=True))
 
 
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"]
+
+
+def _hub_tokenizer_dir(repo_id: str) -> Optional[Path]:
+    """The tokenizer files of a hub model, downloaded once into the Hugging Face cache (or found there
+    offline); None when the hub does not serve them, and transformers then gets its own try."""
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(repo_id, allow_patterns=TOKENIZER_FILES))
+    except Exception:
+        return None
+
+
 def load_tokenizer(name_or_path: str, offline_hint: str = "") -> Tokenizer:
     if name_or_path.startswith((".", "/", "~")) and not Path(name_or_path).expanduser().exists():
         raise FastpplError(f"{name_or_path}: no such tokenizer directory; check --tokenizer")
     directory = Path(name_or_path).expanduser()
+    if not directory.exists():
+        directory = _hub_tokenizer_dir(name_or_path) or directory
     if (directory / "tokenizer.json").is_file():
         fast = _load_tokenizer_json(directory, name_or_path)
         if fast is not None:
