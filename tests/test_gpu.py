@@ -15,8 +15,10 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-3), (torch.float16, 2e-3)])
-@pytest.mark.parametrize("n,c,v,bias", [(1000, 768, 50257, False), (333, 64, 1000, True), (4097, 128, 50304, False)])
-def test_fused_loss_matches_float64_reference(dtype, tolerance, n, c, v, bias):
+@pytest.mark.parametrize("n,c,v,bias", [(1000, 768, 50257, False), (333, 64, 1000, True), (4097, 128, 50304, False),
+                                        (130, 40, 257, True)])
+@pytest.mark.parametrize("gather_target", [False, True])
+def test_fused_loss_matches_float64_reference(dtype, tolerance, n, c, v, bias, gather_target):
     from fastppl.engine.fused_loss import fused_token_nll
     g = torch.Generator(device="cuda").manual_seed(n + v)
     h = torch.randn(n, c, device="cuda", generator=g).to(dtype)
@@ -24,9 +26,38 @@ def test_fused_loss_matches_float64_reference(dtype, tolerance, n, c, v, bias):
     b = torch.randn(v, device="cuda", generator=g).to(dtype) if bias else None
     t = torch.randint(0, v, (n,), device="cuda", generator=g)
     ref = F.cross_entropy(F.linear(h.double(), w.double(), None if b is None else b.double()), t, reduction="none")
-    out = fused_token_nll(h, w, t, b)
+    out = fused_token_nll(h, w, t, b, gather_target=gather_target)
     assert not torch.isnan(out).any()
     assert _rel(out, ref) <= tolerance
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 1e-3)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_fused_residual_norms_match_plain_forward(dtype, tolerance, packed):
+    """The fused add + LayerNorm forward against the model's own forward: hidden states (fp32) and the
+    mean NLL through the same loss (both dtypes)."""
+    from fastppl.accel.fused_norm import fuse_residual_norms, unfuse_residual_norms
+    from fastppl.engine.loss import chunked_token_nll
+    from fastppl.models.loading import random_gpt2
+    model = random_gpt2("gpt2", 0, torch.device("cuda")).to(dtype).eval()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, 50257, (4, 257), device="cuda", generator=g)
+    inputs, targets = ids[:, :-1], ids[:, 1:].reshape(-1)
+    args = ()
+    if packed:
+        positions = torch.cat([torch.arange(100), torch.arange(156)]).to("cuda").expand(4, -1)
+        documents = torch.cat([torch.zeros(100), torch.ones(156)]).long().to("cuda").expand(4, -1)
+        args = (positions, documents)
+    with torch.inference_mode():
+        plain = model(inputs, *args)
+        assert fuse_residual_norms(model)
+        fused = model(inputs, *args)
+        unfuse_residual_norms(model)
+        nll = [chunked_token_nll(h.reshape(-1, h.shape[-1]), model.lm_head.weight, targets).double().mean().item()
+               for h in (plain, fused)]
+    if dtype == torch.float32:
+        assert _rel(fused, plain) <= 1e-5
+    assert nll[1] == pytest.approx(nll[0], rel=tolerance)
 
 
 def _eval(tmp_path, tokenizer_dir, shakespeare, **overrides):

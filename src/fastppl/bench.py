@@ -145,9 +145,12 @@ def _time_fastppl(model, rows: np.ndarray, batch_size: int, device, loss: str, c
     from .engine.score import DeviceSums, make_score_fn, score_batches
     T = rows.shape[1] - 1
     from .accel.fused_mlp import fuse_mlp_epilogue, unfuse_mlp_epilogue
+    from .accel.fused_norm import fuse_residual_norms, unfuse_residual_norms
     unfuse_mlp_epilogue(model)
+    unfuse_residual_norms(model)
     if device.type == "cuda" and not compile_on:
         fuse_mlp_epilogue(model)   # as fastppl eval does on CUDA when it does not compile
+        fuse_residual_norms(model)
     score_fn = make_score_fn(model, chunk_rows, loss)
     if compile_on:
         score_fn = compile_score_fn(score_fn)
@@ -239,7 +242,7 @@ def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_le
         # with the fused loss and, on CUDA, the fused MLP epilogue
         s, nll, tok, compile_s = _time_fastppl(model, rows, batch_size, device, loss, False)
         record(BenchRow("fastppl", tok, s, nll, _peak(device),
-                        f"{loss} loss, eager{', MLP epilogue' if on_cuda else ''}, batch {batch_size}, "
+                        f"{loss} loss, eager{', MLP epilogue, fused norms' if on_cuda else ''}, batch {batch_size}, "
                         f"warm-up {compile_s:.1f} s"))
         if variants:
             # each variant gets a fresh copy of the weights: a compiled function is cached per model,

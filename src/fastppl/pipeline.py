@@ -17,7 +17,7 @@ import torch
 
 from . import __version__
 from .accel.batch_size import auto_batch_size
-from .accel.compile import allow_shapes, compile_score_fn, use_compile
+from .accel.compile import allow_shapes, compile_score_fn, model_family, use_compile
 from .accel.fused_mlp import fuse_mlp_epilogue
 from .config import EvalConfig
 from .data.batching import WindowRef, batch_from_plan, make_batch
@@ -185,7 +185,7 @@ def evaluate(config: EvalConfig) -> dict:
         loss = "fused" if fused_loss_available(device) else "chunked"
     elif loss == "fused" and not fused_loss_available(device):
         raise FastpplError("--loss fused needs a CUDA device and Triton; use --loss chunked")
-    compiled, compile_reason = use_compile(config.compile, device, n_scored, loss)
+    compiled, compile_reason = use_compile(config.compile, device, n_scored, loss, model_family(model))
     if compiled and batching == "packed" and device.type == "cuda":
         # FlexAttention document masks inside the compiled scorer hit an illegal memory access in
         # Inductor on torch 2.11 (tests/test_document_attention.py on the H200); eager packing is exact
@@ -193,6 +193,11 @@ def evaluate(config: EvalConfig) -> dict:
     mlp_epilogue = "plain"
     if device.type == "cuda" and not compiled and fuse_mlp_epilogue(model):
         mlp_epilogue = "fused bias+GELU (cuBLASLt)"   # measured +4 % eager on the H200 (docs/BENCHMARKS.md)
+    residual_norms = "plain"
+    if device.type == "cuda" and not compiled:
+        from .accel.fused_norm import fuse_residual_norms
+        if fuse_residual_norms(model):
+            residual_norms = "residual adds fused with the next LayerNorm (Triton)"
     score_fn = make_score_fn(model, config.loss_chunk_rows, loss)
     if compiled:
         score_fn = compile_score_fn(score_fn)
@@ -317,6 +322,7 @@ def evaluate(config: EvalConfig) -> dict:
         "dtype": str(dtype).replace("torch.", ""),
         "compile": compile_reason,
         "mlp_epilogue": mlp_epilogue,
+        "residual_norms": residual_norms,
         "loss": loss,
         "batch_size": batch_size,
         "kv_cache": kv_cache_reason,

@@ -7,14 +7,25 @@ import torch
 
 from ..config import cache_dir
 
-# Below this many scored tokens a cold compile (about 8 s for GPT-2 124M) costs more than it saves.
-# Measured on the H200 (docs/BENCHMARKS.md): with the fused loss, compiling moves the scorer only from
-# 1.62 to 1.70 M tokens/s, so it repays 8 s after ~250 M tokens; with the chunked loss it moves
-# 0.64 -> 1.62 M tokens/s and repays after ~8 M tokens.
-COMPILE_MIN_TOKENS = {"fused": 250_000_000, "chunked": 8_000_000}
+# Below this many scored tokens a cold compile costs more than it saves: compile seconds divided by the
+# seconds per token it saves. Measured on the H200 (docs/BENCHMARKS.md):
+# - GPT-2 (and any non-Llama model): with the fused loss, compiling moves the scorer only from 1.62 to
+#   1.70 M tokens/s, so it repays ~8 s after ~250 M tokens; with the chunked loss 0.64 -> 1.62 M tokens/s,
+#   repaid after ~8 M tokens.
+# - Llama family (the Llama-3.2-1B shape, where RMSNorm, RoPE and SwiGLU run as many small eager kernels):
+#   fused 158 k -> 212 k tokens/s for 9 s, chunked 146 k -> 216 k for 11 s: repaid after ~5.6 M tokens.
+COMPILE_MIN_TOKENS = {("gpt2", "fused"): 250_000_000, ("gpt2", "chunked"): 8_000_000,
+                      ("llama", "fused"): 6_000_000, ("llama", "chunked"): 6_000_000}
 
 
-def use_compile(setting: str, device: torch.device, n_tokens: int, loss: str = "chunked") -> tuple[bool, str]:
+def model_family(model) -> str:
+    """The key of COMPILE_MIN_TOKENS: "llama" for the native Llama family, "gpt2" for everything else."""
+    from ..models.llama import Llama
+    return "llama" if isinstance(model, Llama) else "gpt2"
+
+
+def use_compile(setting: str, device: torch.device, n_tokens: int, loss: str = "chunked",
+                family: str = "gpt2") -> tuple[bool, str]:
     """(compile or not, why) for --compile auto|on|off."""
     if setting == "on":
         return True, "on (--compile on)"
@@ -22,8 +33,9 @@ def use_compile(setting: str, device: torch.device, n_tokens: int, loss: str = "
         return False, "off (--compile off)"
     if device.type != "cuda":
         return False, "off (auto: CPU)"
-    if n_tokens < COMPILE_MIN_TOKENS[loss]:
-        return False, f"off (auto: {n_tokens:,} tokens are too few to repay compiling with the {loss} loss)"
+    if n_tokens < COMPILE_MIN_TOKENS[family, loss]:
+        return False, (f"off (auto: {n_tokens:,} tokens are too few to repay compiling this model with the "
+                       f"{loss} loss; it pays from {COMPILE_MIN_TOKENS[family, loss]:,})")
     return True, "on (auto)"
 
 

@@ -9,6 +9,7 @@ The logits stay fp32 (never rounded to bf16), so this is slightly more exact tha
 which rounds each logit to the model dtype before upcasting. Reference: engine/loss.py."""
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -20,15 +21,57 @@ except ImportError:  # CPU-only installs
     triton = None
 
 
+# Where the target's logit comes from: False, picked out of each logit tile (a compare and select per logit);
+# True, one fp32 dot product per row with the target's weight row before the vocabulary loop.
+GATHER_TARGET = False
+
 if triton is not None:
+
+    @triton.jit
+    def _fold_tile(hidden_ptr, weight_ptr, bias_ptr, rows, row_ok, targets, v_start, V, C, stride_hn, stride_wv,
+                   running_max, running_sum, target_logit,
+                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   INPUT_PRECISION: tl.constexpr, TAIL: tl.constexpr, EVEN_K: tl.constexpr,
+                   GATHER_TARGET: tl.constexpr):
+        """Fold the logits of vocabulary tile [v_start, v_start + BLOCK_N) into the running logsumexp (and,
+        unless GATHER_TARGET, the target logit). TAIL: the tile runs past V, so columns are masked."""
+        cols = v_start + tl.arange(0, BLOCK_N)
+        col_ok = cols < V
+        ks = tl.arange(0, BLOCK_K)
+        logits = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k_start in range(0, C, BLOCK_K):
+            k = k_start + ks
+            h_ptrs = hidden_ptr + rows[:, None] * stride_hn + k[None, :]
+            w_ptrs = weight_ptr + cols[None, :] * stride_wv + k[:, None]
+            if EVEN_K:
+                h = tl.load(h_ptrs, mask=row_ok[:, None], other=0.0)                              # (M, K)
+                if TAIL:
+                    w = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)                          # (K, N)
+                else:
+                    w = tl.load(w_ptrs)
+            else:
+                h = tl.load(h_ptrs, mask=row_ok[:, None] & (k[None, :] < C), other=0.0)
+                w = tl.load(w_ptrs, mask=col_ok[None, :] & (k[:, None] < C), other=0.0)
+            logits = tl.dot(h, w, logits, input_precision=INPUT_PRECISION)
+        if HAS_BIAS:
+            logits += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if TAIL:
+            logits = tl.where(col_ok[None, :], logits, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(logits, axis=1))
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(
+            tl.exp(logits - new_max[:, None]), axis=1)
+        if not GATHER_TARGET:
+            is_target = cols[None, :] == targets[:, None]
+            target_logit += tl.sum(tl.where(is_target, logits, 0.0), axis=1)
+        return new_max, running_sum, target_logit
 
     @triton.jit
     def _fused_nll_kernel(
         hidden_ptr, weight_ptr, bias_ptr, target_ptr, out_ptr,
-        N, V, C,
+        N, V, C, full_tiles_end,       # full_tiles_end = V rounded down to whole BLOCK_N tiles
         stride_hn, stride_wv,
         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        INPUT_PRECISION: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, GATHER_TARGET: tl.constexpr,
     ):
         pid = tl.program_id(0)
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -37,28 +80,28 @@ if triton is not None:
         running_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         running_sum = tl.zeros((BLOCK_M,), tl.float32)
         target_logit = tl.zeros((BLOCK_M,), tl.float32)
-        ks = tl.arange(0, BLOCK_K)
-        for v_start in range(0, V, BLOCK_N):
-            cols = v_start + tl.arange(0, BLOCK_N)
-            col_ok = cols < V
-            logits = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        if GATHER_TARGET:
+            # the target logit as a row-wise fp32 dot product with the target's own weight row, so that the
+            # vocabulary loop does not compare and select over every logit to find it
+            ks = tl.arange(0, BLOCK_K)
             for k_start in range(0, C, BLOCK_K):
                 k = k_start + ks
-                h = tl.load(hidden_ptr + rows[:, None] * stride_hn + k[None, :],
-                            mask=row_ok[:, None] & (k[None, :] < C), other=0.0)          # (M, K)
-                w = tl.load(weight_ptr + cols[None, :] * stride_wv + k[:, None],
-                            mask=col_ok[None, :] & (k[:, None] < C), other=0.0)          # (K, N)
-                logits = tl.dot(h, w, logits, input_precision=INPUT_PRECISION)
+                k_ok = row_ok[:, None] & (k[None, :] < C)
+                h = tl.load(hidden_ptr + rows[:, None] * stride_hn + k[None, :], mask=k_ok, other=0.0)
+                w = tl.load(weight_ptr + targets[:, None] * stride_wv + k[None, :], mask=k_ok, other=0.0)
+                target_logit += tl.sum(h.to(tl.float32) * w.to(tl.float32), axis=1)
             if HAS_BIAS:
-                logits += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            logits = tl.where(col_ok[None, :], logits, float("-inf"))
-            tile_max = tl.max(logits, axis=1)
-            new_max = tl.maximum(running_max, tile_max)
-            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(
-                tl.exp(logits - new_max[:, None]), axis=1)
-            running_max = new_max
-            is_target = cols[None, :] == targets[:, None]
-            target_logit += tl.sum(tl.where(is_target, logits, 0.0), axis=1)
+                target_logit += tl.load(bias_ptr + targets, mask=row_ok, other=0.0).to(tl.float32)
+        for v_start in range(0, full_tiles_end, BLOCK_N):   # whole tiles: no column masks
+            running_max, running_sum, target_logit = _fold_tile(
+                hidden_ptr, weight_ptr, bias_ptr, rows, row_ok, targets, v_start, V, C, stride_hn, stride_wv,
+                running_max, running_sum, target_logit, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION,
+                False, EVEN_K, GATHER_TARGET)
+        if full_tiles_end < V:
+            running_max, running_sum, target_logit = _fold_tile(
+                hidden_ptr, weight_ptr, bias_ptr, rows, row_ok, targets, full_tiles_end, V, C, stride_hn,
+                stride_wv, running_max, running_sum, target_logit, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K,
+                INPUT_PRECISION, True, EVEN_K, GATHER_TARGET)
         nll = running_max + tl.log(running_sum) - target_logit
         tl.store(out_ptr + rows, nll, mask=row_ok)
 
@@ -69,12 +112,12 @@ def fused_token_nll(
     targets: torch.Tensor,           # (N,) int64
     bias: Optional[torch.Tensor] = None,
     block_m: int = 128, block_n: Optional[int] = None, block_k: Optional[int] = None, num_warps: int = 8,
-    num_stages: int = 3,
+    num_stages: int = 3, gather_target: bool = GATHER_TARGET,
 ) -> torch.Tensor:
     """(N,) fp32 NLL of each target, as engine.loss.chunked_token_nll, in one kernel. Tiles of
     128 x 256 x 64 for 16-bit inputs (measured best, docs/BENCHMARKS.md); fp32 inputs take half-size
     tiles to fit shared memory, and exact fp32 products (no tf32)."""
-    assert triton is not None and hidden.is_cuda
+    assert triton is not None and (hidden.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")  # interpreter: CPU check
     wide = hidden.element_size() == 4
     block_n = block_n or (128 if wide else 256)
     block_k = block_k or (32 if wide else 64)
@@ -86,9 +129,9 @@ def fused_token_nll(
     grid = (triton.cdiv(N, block_m),)
     _fused_nll_kernel[grid](
         hidden, weight, bias if bias is not None else hidden, targets.contiguous(), out,
-        N, V, C, hidden.stride(0), weight.stride(0),
+        N, V, C, V // block_n * block_n, hidden.stride(0), weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        INPUT_PRECISION="ieee" if wide else "tf32",
+        INPUT_PRECISION="ieee" if wide else "tf32", EVEN_K=C % block_k == 0, GATHER_TARGET=gather_target,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -1,0 +1,43 @@
+"""Where the eager GPT-2 124M scorer (as `fastppl eval` runs it: fused loss, MLP epilogue) spends GPU time at
+batch 64 x 1024, kernel by kernel (torch.profiler over 3 batches). H200, PYTHONPATH=src."""
+import json
+import os
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from fastppl.accel.fused_mlp import fuse_mlp_epilogue
+from fastppl.engine.score import make_score_fn
+from fastppl.models.loading import random_gpt2
+
+dev = torch.device("cuda")
+B, T = 64, 1024
+ids = torch.randint(0, 50257, (B, T + 1), device=dev)
+inputs, targets = ids[:, :T].contiguous(), ids[:, 1:].contiguous()
+mask = torch.ones(B, T, dtype=torch.bool, device=dev)
+model = random_gpt2("gpt2", 0, dev).to(torch.bfloat16).eval()
+fuse_mlp_epilogue(model)
+score = make_score_fn(model, loss="fused")
+with torch.inference_mode():
+    for _ in range(3):
+        score(inputs, targets, mask)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            score(inputs, targets, mask)
+        torch.cuda.synchronize()
+kernels = {}
+for event in prof.events():
+    if event.device_type == torch.autograd.DeviceType.CUDA:
+        k = kernels.setdefault(event.name, [0, 0.0])
+        k[0] += 1
+        k[1] += event.device_time / 1e3   # ms
+total = sum(v[1] for v in kernels.values())
+rows = sorted(kernels.items(), key=lambda kv: -kv[1][1])
+print(f"\nGPU time per batch: {total / 3:.2f} ms over {sum(v[0] for v in kernels.values()) / 3:.0f} kernels")
+print("| kernel | per batch | ms per batch | share |")
+print("| --- | --- | --- | --- |")
+for name, (count, ms) in rows[:18]:
+    print(f"| {name[:90]} | {count / 3:.0f} | {ms / 3:.2f} | {ms / total:.1%} |")
+if os.environ.get("OUT"):
+    json.dump([dict(name=n, count=c / 3, ms=m / 3) for n, (c, m) in rows], open(os.path.join(os.environ["OUT"], "scorer_profile.json"), "w"), indent=1)
