@@ -14,8 +14,8 @@ import triton.language as tl
 
 from fastppl.engine.fused_loss import fused_token_nll
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E: tl.constexpr = 1.4426950408889634
+LN2: tl.constexpr = 0.6931471805599453
 
 
 @triton.jit
@@ -82,16 +82,16 @@ def timeit(fn, reps=10):
     return sorted(times)[len(times) // 2]
 
 
-VARIANTS = {
-    "shipped kernel": None,
-    "copy of shipped (tl.range loops)": dict(),
-    "exp2": dict(exp2=True),
-    "warp-specialised vocab loop": dict(ws=True),
-    "warp-specialised + exp2": dict(ws=True, exp2=True),
-    "ws, 4 warps": dict(ws=True, warps=4),
-    "ws, k 32, k_stages 4": dict(ws=True, block_k=32, k_stages=4),
-    "exp2, k 32, stages 4": dict(exp2=True, block_k=32, stages=4, k_stages=4),
-}
+# (name, kernel options or None for the shipped defaults, or a dict for the experimental copy above)
+VARIANTS = [
+    ("shipped kernel (defaults)", "shipped", {}),
+    ("shipped, target logit picked from tiles", "shipped", dict(gather_target=False)),
+    ("shipped, target logit by row dot product", "shipped", dict(gather_target=True)),
+    ("shipped, gather, k 32, 4 stages", "shipped", dict(gather_target=True, block_k=32, num_stages=4)),
+    ("experimental copy, warp-specialised vocab loop", "variant", dict(ws=True)),
+]
+if os.environ.get("LOSS_VARIANTS") == "all":   # the first session-2 sweep (docs/BENCHMARKS.md)
+    VARIANTS += [("copy (tl.range loops)", "variant", {}), ("ws, k 32, k_stages 4", "variant", dict(ws=True, block_k=32, k_stages=4))]
 
 results = []
 dev = torch.device("cuda")
@@ -103,8 +103,9 @@ for shape_name, (N, C, V) in {"gpt2 64x1024": (65536, 768, 50257), "llama-1b 8x2
     check = slice(0, 1024)
     ref = F.cross_entropy(F.linear(h[check].double(), w.double()), t[check], reduction="none")
     flops = 2 * N * C * V
-    for name, options in VARIANTS.items():
-        fn = (lambda: fused_token_nll(h, w, t)) if options is None else (lambda o=options: variant(h, w, t, **o))
+    for name, kind, options in VARIANTS:
+        kernel = fused_token_nll if kind == "shipped" else variant
+        fn = lambda kernel=kernel, o=options: kernel(h, w, t, **o)   # noqa: E731
         try:
             out = fn()
             err = ((out[check].double() - ref).norm() / ref.norm()).item()

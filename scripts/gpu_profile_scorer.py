@@ -1,4 +1,4 @@
-"""Where the eager GPT-2 124M scorer (as `fastppl eval` runs it: fused loss, MLP epilogue) spends GPU time at
+"""Where the eager GPT-2 124M scorer (as `fastppl eval` runs it: fused loss, MLP epilogue, fused residual norms unless FUSED_NORMS=0) spends GPU time at
 batch 64 x 1024, kernel by kernel (torch.profiler over 3 batches). H200, PYTHONPATH=src."""
 import json
 import os
@@ -7,6 +7,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from fastppl.accel.fused_mlp import fuse_mlp_epilogue
+from fastppl.accel.fused_norm import fuse_residual_norms
 from fastppl.engine.score import make_score_fn
 from fastppl.models.loading import random_gpt2
 
@@ -17,6 +18,8 @@ inputs, targets = ids[:, :T].contiguous(), ids[:, 1:].contiguous()
 mask = torch.ones(B, T, dtype=torch.bool, device=dev)
 model = random_gpt2("gpt2", 0, dev).to(torch.bfloat16).eval()
 fuse_mlp_epilogue(model)
+if os.environ.get("FUSED_NORMS", "1") == "1":
+    fuse_residual_norms(model)
 score = make_score_fn(model, loss="fused")
 with torch.inference_mode():
     for _ in range(3):
