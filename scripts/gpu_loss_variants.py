@@ -85,9 +85,7 @@ def timeit(fn, reps=10):
 # (name, kernel options or None for the shipped defaults, or a dict for the experimental copy above)
 VARIANTS = [
     ("shipped kernel (defaults)", "shipped", {}),
-    ("shipped, target logit picked from tiles", "shipped", dict(gather_target=False)),
-    ("shipped, target logit by row dot product", "shipped", dict(gather_target=True)),
-    ("shipped, gather, k 32, 4 stages", "shipped", dict(gather_target=True, block_k=32, num_stages=4)),
+    ("shipped, k 32, 4 stages", "shipped", dict(block_k=32, num_stages=4)),
     ("experimental copy, warp-specialised vocab loop", "variant", dict(ws=True)),
 ]
 if os.environ.get("LOSS_VARIANTS") == "all":   # the first session-2 sweep (docs/BENCHMARKS.md)

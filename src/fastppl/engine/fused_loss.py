@@ -21,20 +21,16 @@ except ImportError:  # CPU-only installs
     triton = None
 
 
-# Where the target's logit comes from: False, picked out of each logit tile (a compare and select per logit);
-# True, one fp32 dot product per row with the target's weight row before the vocabulary loop.
-GATHER_TARGET = False
-
 if triton is not None:
 
     @triton.jit
     def _fold_tile(hidden_ptr, weight_ptr, bias_ptr, rows, row_ok, targets, v_start, V, C, stride_hn, stride_wv,
                    running_max, running_sum, target_logit,
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   INPUT_PRECISION: tl.constexpr, TAIL: tl.constexpr, EVEN_K: tl.constexpr,
-                   GATHER_TARGET: tl.constexpr):
-        """Fold the logits of vocabulary tile [v_start, v_start + BLOCK_N) into the running logsumexp (and,
-        unless GATHER_TARGET, the target logit). TAIL: the tile runs past V, so columns are masked."""
+                   INPUT_PRECISION: tl.constexpr, TAIL: tl.constexpr, EVEN_K: tl.constexpr):
+        """Fold the logits of vocabulary tile [v_start, v_start + BLOCK_N) into the running logsumexp and
+        target logit. TAIL: the tile runs past V, so its columns are masked; whole tiles need no masks
+        (peeling the tail off moved the loss from 11.1 to 9.6 ms at GPT-2's shape, docs/BENCHMARKS.md)."""
         cols = v_start + tl.arange(0, BLOCK_N)
         col_ok = cols < V
         ks = tl.arange(0, BLOCK_K)
@@ -60,9 +56,8 @@ if triton is not None:
         new_max = tl.maximum(running_max, tl.max(logits, axis=1))
         running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(
             tl.exp(logits - new_max[:, None]), axis=1)
-        if not GATHER_TARGET:
-            is_target = cols[None, :] == targets[:, None]
-            target_logit += tl.sum(tl.where(is_target, logits, 0.0), axis=1)
+        is_target = cols[None, :] == targets[:, None]
+        target_logit += tl.sum(tl.where(is_target, logits, 0.0), axis=1)
         return new_max, running_sum, target_logit
 
     @triton.jit
@@ -71,7 +66,7 @@ if triton is not None:
         N, V, C, full_tiles_end,       # full_tiles_end = V rounded down to whole BLOCK_N tiles
         stride_hn, stride_wv,
         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        INPUT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, GATHER_TARGET: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
     ):
         pid = tl.program_id(0)
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -80,28 +75,16 @@ if triton is not None:
         running_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         running_sum = tl.zeros((BLOCK_M,), tl.float32)
         target_logit = tl.zeros((BLOCK_M,), tl.float32)
-        if GATHER_TARGET:
-            # the target logit as a row-wise fp32 dot product with the target's own weight row, so that the
-            # vocabulary loop does not compare and select over every logit to find it
-            ks = tl.arange(0, BLOCK_K)
-            for k_start in range(0, C, BLOCK_K):
-                k = k_start + ks
-                k_ok = row_ok[:, None] & (k[None, :] < C)
-                h = tl.load(hidden_ptr + rows[:, None] * stride_hn + k[None, :], mask=k_ok, other=0.0)
-                w = tl.load(weight_ptr + targets[:, None] * stride_wv + k[None, :], mask=k_ok, other=0.0)
-                target_logit += tl.sum(h.to(tl.float32) * w.to(tl.float32), axis=1)
-            if HAS_BIAS:
-                target_logit += tl.load(bias_ptr + targets, mask=row_ok, other=0.0).to(tl.float32)
         for v_start in range(0, full_tiles_end, BLOCK_N):   # whole tiles: no column masks
             running_max, running_sum, target_logit = _fold_tile(
                 hidden_ptr, weight_ptr, bias_ptr, rows, row_ok, targets, v_start, V, C, stride_hn, stride_wv,
                 running_max, running_sum, target_logit, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION,
-                False, EVEN_K, GATHER_TARGET)
+                False, EVEN_K)
         if full_tiles_end < V:
             running_max, running_sum, target_logit = _fold_tile(
                 hidden_ptr, weight_ptr, bias_ptr, rows, row_ok, targets, full_tiles_end, V, C, stride_hn,
                 stride_wv, running_max, running_sum, target_logit, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K,
-                INPUT_PRECISION, True, EVEN_K, GATHER_TARGET)
+                INPUT_PRECISION, True, EVEN_K)
         nll = running_max + tl.log(running_sum) - target_logit
         tl.store(out_ptr + rows, nll, mask=row_ok)
 
@@ -112,7 +95,7 @@ def fused_token_nll(
     targets: torch.Tensor,           # (N,) int64
     bias: Optional[torch.Tensor] = None,
     block_m: int = 128, block_n: Optional[int] = None, block_k: Optional[int] = None, num_warps: int = 8,
-    num_stages: int = 3, gather_target: bool = GATHER_TARGET,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """(N,) fp32 NLL of each target, as engine.loss.chunked_token_nll, in one kernel. Tiles of
     128 x 256 x 64 for 16-bit inputs (measured best, docs/BENCHMARKS.md); fp32 inputs take half-size
@@ -131,7 +114,7 @@ def fused_token_nll(
         hidden, weight, bias if bias is not None else hidden, targets.contiguous(), out,
         N, V, C, V // block_n * block_n, hidden.stride(0), weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        INPUT_PRECISION="ieee" if wide else "tf32", EVEN_K=C % block_k == 0, GATHER_TARGET=gather_target,
+        INPUT_PRECISION="ieee" if wide else "tf32", EVEN_K=C % block_k == 0,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
