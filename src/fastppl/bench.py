@@ -8,7 +8,7 @@ Peers (all Hugging Face transformers, the same random weights; Llama's default l
   hf-bf16     bf16 weights, SDPA attention, batch B, labels=
   hf-compiled the same under torch.compile
   fastppl     fastppl's scorer as `eval` runs it (bf16 weights, fp32 loss; on CUDA the fused loss, MLP epilogue
-              and residual norms, replayed from CUDA graphs)
+              and residual norms)
 and a bf16 matmul ceiling. FLOPs are counted per scored token as forward matmul FLOPs (flops_per_token):
   2 * (L * (d * (q + 2 kv) + q * d + mlp) + d * V) + 2 * L * q * (T + 1)
 with q = heads x head dim, kv = KV heads x head dim, mlp = the MLP's weights (GPT-2: 2 * d * 4d; Llama's
@@ -141,7 +141,7 @@ def _time_labels_peer(model, rows: np.ndarray, batch_size: int, device, autocast
 
 
 def _time_fastppl(model, rows: np.ndarray, batch_size: int, device, loss: str, compile_on: bool,
-                  chunk_rows: int = 8192, graphs: bool = True) -> tuple[float, float, int, float]:
+                  chunk_rows: int = 8192) -> tuple[float, float, int, float]:
     from .accel.compile import compile_score_fn
     from .engine.score import DeviceSums, make_score_fn, score_batches
     T = rows.shape[1] - 1
@@ -155,16 +155,13 @@ def _time_fastppl(model, rows: np.ndarray, batch_size: int, device, loss: str, c
     score_fn = make_score_fn(model, chunk_rows, loss)
     if compile_on:
         score_fn = compile_score_fn(score_fn)
-    elif device.type == "cuda" and graphs:
-        from .accel.cuda_graph import GraphedScoreFn
-        score_fn = GraphedScoreFn(score_fn)   # as fastppl eval does on CUDA when it does not compile
     n_rows = (len(rows) // batch_size) * batch_size
     ones = np.ones((batch_size, T), dtype=bool)
     index = np.full((batch_size, T), -1, dtype=np.int64)
     batches = [Batch(np.ascontiguousarray(rows[b:b + batch_size, :T]), np.ascontiguousarray(rows[b:b + batch_size, 1:]),
                      ones, index, batch_size * T, batch_size) for b in range(0, n_rows, batch_size)]
     compile_started = time.perf_counter()
-    # warm-up: compiles, or (second batch of a shape) captures the CUDA graph
+    # warm-up: compiles, loads the Triton kernels, runs cuBLAS heuristics
     score_batches(score_fn, batches[:2], DeviceSums.zeros(T, device), device)
     _sync(device)
     compile_seconds = time.perf_counter() - compile_started
@@ -247,15 +244,11 @@ def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_le
         # with the fused loss and, on CUDA, the fused MLP epilogue
         s, nll, tok, compile_s = _time_fastppl(model, rows, batch_size, device, loss, False)
         record(BenchRow("fastppl", tok, s, nll, _peak(device),
-                        f"{loss} loss, eager{', MLP epilogue, fused norms, CUDA graphs' if on_cuda else ''}, batch {batch_size}, "
+                        f"{loss} loss, eager{', MLP epilogue, fused norms' if on_cuda else ''}, batch {batch_size}, "
                         f"warm-up {compile_s:.1f} s"))
         if variants:
             # each variant gets a fresh copy of the weights: a compiled function is cached per model,
             # and a variant must not silently reuse another's compiled graph
-            if on_cuda:
-                _reset_peak(device)
-                s, nll, tok, compile_s = _time_fastppl(model, rows, batch_size, device, loss, False, graphs=False)
-                record(BenchRow("variant", tok, s, nll, _peak(device), f"{loss} loss, eager, no CUDA graphs"))
             options = [(l, c) for l in ("chunked", "fused") for c in ((True, False) if on_cuda else (False,))]
             for variant_loss, variant_compile in options:
                 if (variant_loss, variant_compile) == (loss, False):

@@ -199,13 +199,8 @@ def evaluate(config: EvalConfig) -> dict:
         if fuse_residual_norms(model):
             residual_norms = "residual adds fused with the next LayerNorm (Triton)"
     score_fn = make_score_fn(model, config.loss_chunk_rows, loss)
-    cuda_graphs = "off (CPU)" if device.type != "cuda" else "off (compiled)" if compiled else "off (packed rows)"
     if compiled:
         score_fn = compile_score_fn(score_fn)
-    elif device.type == "cuda" and batching != "packed":
-        from .accel.cuda_graph import GraphedScoreFn
-        score_fn = GraphedScoreFn(score_fn)
-        cuda_graphs = "on (each batch shape that repeats is replayed from a CUDA graph)"
     stream_ids, target_offsets = [s.ids for s in streams], [s.offset_of_target for s in streams]
     timings["prepare"] = time.perf_counter() - mark
     mark = time.perf_counter()
@@ -328,7 +323,6 @@ def evaluate(config: EvalConfig) -> dict:
         "compile": compile_reason,
         "mlp_epilogue": mlp_epilogue,
         "residual_norms": residual_norms,
-        "cuda_graphs": cuda_graphs,
         "loss": loss,
         "batch_size": batch_size,
         "kv_cache": kv_cache_reason,
