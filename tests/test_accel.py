@@ -113,3 +113,16 @@ def test_out_of_memory_after_the_forward_adds_nothing(monkeypatch):
     assert sums.nll_sum.item() == pytest.approx(reference.nll_sum.item(), rel=1e-9)
     assert sums.position_count.sum().item() == reference.position_count.sum().item() == 700
     assert sums.per_document[:-1].sum().item() == pytest.approx(reference.per_document[:-1].sum().item(), rel=1e-9)
+
+
+def test_balanced_batch_size_runs_fewest_padding_rows_in_as_many_batches():
+    from fastppl.accel.batch_size import balanced_batch_size
+    for rows in (1, 3, 8, 64, 256):
+        for n in (1, 5, 9, 64, 65, 330, 1000, 4096):
+            rows_here = min(rows, n)
+            b = balanced_batch_size(rows_here, n)
+            assert 1 <= b <= rows_here
+            assert -(-n // b) == -(-n // rows_here)          # no more batches than before
+            assert b < 8 or b % 8 == 0 or b == rows_here
+    assert balanced_batch_size(256, 330) == 168
+    assert balanced_batch_size(256, 4096) == 256

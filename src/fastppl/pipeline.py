@@ -19,6 +19,7 @@ from . import __version__
 from .accel.batch_size import auto_batch_size
 from .accel.compile import allow_shapes, compile_score_fn, model_family, use_compile
 from .accel.fused_mlp import fuse_mlp_epilogue
+from .accel.warm_up import start_cuda_warm_up
 from .config import EvalConfig
 from .data.batching import WindowRef, batch_from_plan, make_batch
 from .data.corpus import Document, load_documents
@@ -125,15 +126,19 @@ def evaluate(config: EvalConfig) -> dict:
     dist = init_distributed(config.device)   # None on one process
     device = dist.device if dist else resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    if not dist:
+        start_cuda_warm_up(device)   # overlaps the CUDA context's creation with reading corpus and tokenizer
 
     documents = [d for source in config.data for d in load_documents(
         source, config.split, config.text_field, config.data_dir, config.errors)]
     timings["read_corpus"] = time.perf_counter() - started
     mark = time.perf_counter()
+    tokenizer = load_tokenizer(config.tokenizer or default_tokenizer_name(config.model))
+    timings["load_tokenizer"] = time.perf_counter() - mark
+    mark = time.perf_counter()
     model = load_model(config.model, config.backend, dtype, config.seed, device)
     timings["load_model"] = time.perf_counter() - mark
     mark = time.perf_counter()
-    tokenizer = load_tokenizer(config.tokenizer or default_tokenizer_name(config.model))
     if tokenizer.vocab_size > model.vocab_size:
         raise FastpplError(
             f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size:,} ids but the model's vocabulary has "
@@ -145,9 +150,6 @@ def evaluate(config: EvalConfig) -> dict:
     stride = config.stride
     if config.window == "sliding" and stride is not None and not 1 <= stride <= ctx:
         raise FastpplError(f"--stride must be between 1 and --ctx ({ctx}), got {stride}")
-
-    timings["load_tokenizer"] = time.perf_counter() - mark
-    mark = time.perf_counter()
     documents = [d if d.token_ids is None else with_decoded_text(d, tokenizer, model.vocab_size) for d in documents]
     tokens = [encode_cached(tokenizer, d.text) if d.token_ids is None else d.token_ids for d in documents]
     timings["tokenize"] = time.perf_counter() - mark

@@ -28,4 +28,16 @@ def auto_batch_size(
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     rows = int(headroom * free / per_row)
     rows = max(1, min(rows, MAX_AUTO_BATCH, n_windows))
-    return rows if rows < 8 else rows - rows % 8
+    rows = rows if rows < 8 else rows - rows % 8
+    return balanced_batch_size(rows, n_windows)
+
+
+def balanced_batch_size(rows: int, n_windows: int) -> int:
+    """The smallest batch (a multiple of 8 from 8 rows on) that needs no more batches than `rows` does: a
+    last batch padded to the full shape would otherwise run padding rows (330 windows at 256 rows ran 512;
+    at 168 they run 336)."""
+    n_batches = -(-n_windows // rows)
+    balanced = -(-n_windows // n_batches)
+    if balanced >= 8:
+        balanced = -(-balanced // 8) * 8
+    return min(rows, balanced)
