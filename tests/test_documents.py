@@ -77,6 +77,8 @@ def test_batching_modes_match_one_document_at_a_time(tokenizer_dir, corpus_dir, 
     assert results["packed"]["padding_waste"] <= results["bucketed"]["padding_waste"]
     assert results["packed"]["padding_waste"] < padded["padding_waste"]
     assert results["packed"]["batches"] < padded["batches"]
+    # the CPU keeps packed documents apart with an SDPA mask; other modes need no document attention
+    assert results["packed"]["document_attention"] == "sdpa-mask" and padded["document_attention"] is None
 
     # one document at a time: each file its own corpus
     for path in sorted(corpus_dir.iterdir()):

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from fastppl.data.batching import WindowRef, batch_from_plan, make_batch
+from fastppl.data.batching import WindowRef, batch_from_plan, document_segments, make_batch
 from fastppl.data.packing import (
     BATCHING_MODES, best_fit_decreasing, bucket_lengths, padding_waste, padding_waste_by_mode, plan_batches,
     resolve_batching,
@@ -101,6 +101,10 @@ def test_padding_waste_golden():
 def test_resolve_batching():
     assert resolve_batching("auto", 1, True)[0] == "padded"
     assert resolve_batching("auto", 5, True)[0] == "bucketed"   # measured faster than packed on the H200
+    # with variable-length flash attention packed rows run at (almost) dense speed without padding
+    assert resolve_batching("auto", 5, True, varlen=True)[0] == "packed"
+    assert resolve_batching("auto", 1, True, varlen=True)[0] == "padded"
+    assert resolve_batching("auto", 5, False, varlen=True)[0] == "bucketed"   # the model cannot take them
     assert resolve_batching("packed", 5, True)[0] == "packed"
     assert resolve_batching("auto", 5, False)[0] == "bucketed"
     assert resolve_batching("bucketed", 5, True)[0] == "bucketed"
@@ -130,6 +134,50 @@ def test_packed_batch_positions_restart_and_documents_stay_apart():
     assert (batch.document_ids == -1).sum() == 2 * 12 - 20
     assert batch.n_scored == padded.n_scored == 5 + 3 + 6 + 5
     assert padded.position_ids is None and padded.document_ids is None
+
+
+def _segments_brute_force(document_ids):
+    """(cu_seqlens, max_seqlen) by walking every row token by token."""
+    starts = []
+    B, T = document_ids.shape
+    for row in range(B):
+        for column in range(T):
+            if column == 0 or document_ids[row, column] != document_ids[row, column - 1]:
+                starts.append(row * T + column)
+    cu = starts + [B * T]
+    return cu, max(b - a for a, b in zip(cu, cu[1:]))
+
+
+def test_document_segments_golden():
+    ids = np.array([[0, 0, 0, 1, 1, -1, -1], [2] * 7])
+    cu_seqlens, max_seqlen = document_segments(ids)
+    assert cu_seqlens.dtype == np.int32 and cu_seqlens.tolist() == [0, 3, 5, 7, 14] and max_seqlen == 7
+    # whole padding rows are one segment each, never one across rows
+    cu_seqlens, max_seqlen = document_segments(np.array([[0, 1, 1, -1], [-1] * 4, [-1] * 4]))
+    assert cu_seqlens.tolist() == [0, 1, 3, 4, 8, 12] and max_seqlen == 4
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_packed_batch_segments_match_a_brute_force(seed):
+    """Single-token documents, documents that fill a row exactly, end-of-row padding and padding rows."""
+    rng = np.random.default_rng(seed)
+    ctx, batch_size = 24, 3
+    lengths = rng.integers(1, ctx + 1, size=int(rng.integers(1, 30))).tolist() + [1, 1, ctx, 10, 14]
+    streams = [np.arange(n + 1) for n in lengths]
+    refs = [WindowRef(d, Window(0, n, 0)) for d, n in enumerate(lengths)]
+    for plan in plan_batches(lengths, "packed", ctx, batch_size):
+        batch = batch_from_plan(plan, refs, streams, [0] * len(streams))
+        cu_seqlens, max_seqlen = _segments_brute_force(batch.document_ids)
+        assert batch.cu_seqlens.tolist() == cu_seqlens and batch.max_seqlen == max_seqlen
+        assert batch.cu_seqlens.dtype == np.int32 and batch.cu_seqlens[-1] == plan.n_rows * ctx
+        # every window is exactly one segment, and every other segment is padding
+        segments = {(int(a), int(b)) for a, b in zip(batch.cu_seqlens[:-1], batch.cu_seqlens[1:])}
+        windows = {(int(r) * ctx + int(c), int(r) * ctx + int(c) + lengths[w])
+                   for w, r, c in zip(plan.windows, plan.rows, plan.columns)}
+        assert windows <= segments
+        assert all((batch.document_ids.reshape(-1)[a:b] == -1).all() for a, b in segments - windows)
+    padded = batch_from_plan(plan_batches(lengths, "padded", ctx, batch_size)[0], refs, streams, [0] * len(streams))
+    assert padded.cu_seqlens is None and padded.max_seqlen is None
 
 
 def test_synthetic_corpus_is_seeded_and_log_uniform():

@@ -5,7 +5,7 @@ The corpus is fastppl.data.synthetic.synthetic_documents (10,000 documents of ra
 log-uniform between 20 and 1,500 tokens). Every document is a stream [BOS] + tokens cut into chunked windows
 of ctx, so every token is scored once, conditioned on BOS and on nothing outside its document:
 
-  packed    fastppl, several windows per row of ctx with a document mask        \
+  packed    fastppl, several windows per row of ctx, each attending to itself   \
   bucketed  fastppl, one window per row, rows of a few bucket lengths            } plan_batches + batch_from_plan
   padded    fastppl, one window per row of ctx                                  /  + make_score_fn + score_batches
   baseline  what lm-evaluation-harness's loglikelihood does: windows sorted longest first, batches right-padded
@@ -167,12 +167,51 @@ def time_lm_eval_baseline(hf_model: nn.Module, corpus: ChunkedCorpus, batch_size
                       f"lm-eval style: sorted, right-padded, HF full log_softmax, {len(batches)} batches")
 
 
+@torch.inference_mode()
+def packed_kernel_agreement(model: nn.Module, documents: Sequence[np.ndarray], ctx: int, batch_size: int,
+                            device: torch.device) -> dict:
+    """The same packed batches scored three ways: DocumentSpans (variable-length flash attention where it
+    runs), bare document ids (FlexAttention on CUDA) and every window alone in a row of its own (plain causal
+    SDPA). Per-token NLL differences (max absolute, nats) and total-NLL relative differences against alone."""
+    from .engine.score import make_score_fn, to_device
+    from .models.attention import DocumentSpans, document_attention_backend
+    corpus = chunked_corpus(documents, ctx)
+    score = make_score_fn(model)
+    nll: dict[str, list[torch.Tensor]] = {"spans": [], "ids": [], "alone": []}
+    for plan in plan_batches(corpus.window_lengths, "packed", ctx, batch_size):
+        batch = batch_from_plan(plan, corpus.refs, corpus.streams, corpus.target_offsets)
+        input_ids, targets, score_mask, position_ids = (
+            to_device(a, device) for a in (batch.input_ids, batch.targets, batch.score_mask, batch.position_ids))
+        ids = to_device(batch.document_ids, device)
+        spans = DocumentSpans(ids, to_device(batch.cu_seqlens, device), batch.max_seqlen)
+        nll["spans"].append(score(input_ids, targets, score_mask, position_ids, spans)[score_mask])
+        nll["ids"].append(score(input_ids, targets, score_mask, position_ids, ids)[score_mask])
+        alone = torch.zeros_like(score_mask, dtype=torch.float32)                  # (B, T)
+        for window, row, column in zip(plan.windows, plan.rows, plan.columns):
+            span = slice(int(column), int(column) + corpus.refs[window].window.length)
+            alone[row, span] = score(input_ids[row:row + 1, span], targets[row:row + 1, span],
+                                     score_mask[row:row + 1, span])[0]
+        nll["alone"].append(alone[score_mask])
+    flat = {name: torch.cat(parts).double() for name, parts in nll.items()}
+    total = {name: float(x.sum()) for name, x in flat.items()}
+    max_abs = lambda a, b: float((flat[a] - flat[b]).abs().max())  # noqa: E731
+    relative = lambda a, b: abs(total[a] - total[b]) / abs(total[b])  # noqa: E731
+    dtype = next(model.parameters()).dtype
+    return {"spans_attention": document_attention_backend(device, dtype),
+            "ids_attention": "flex" if device.type == "cuda" else "sdpa-mask",
+            "tokens": int(flat["alone"].numel()), "windows": len(corpus.refs),
+            "spans_vs_alone_max_abs": max_abs("spans", "alone"), "ids_vs_alone_max_abs": max_abs("ids", "alone"),
+            "spans_vs_ids_max_abs": max_abs("spans", "ids"),
+            "spans_vs_alone_total_rel": relative("spans", "alone"), "ids_vs_alone_total_rel": relative("ids", "alone")}
+
+
 def run_docs_bench(model_spec: str = "random:gpt2", n_documents: int = 10_000, ctx: int = 1024,
                    batch_size: int = 64, device_name: str = "auto", loss: str = "auto", compile: str = "auto",
                    seed: int = 0, log: Callable[[str], None] = print) -> dict:
     from .accel.compile import allow_shapes, compile_score_fn, use_compile
     from .engine.loss import fused_loss_available
     from .engine.score import make_score_fn
+    from .models.attention import document_attention_backend
     from .models.loading import RANDOM_PREFIX, native_to_hf, random_native
     device = resolve_device(device_name)
     on_cuda = device.type == "cuda"
@@ -200,9 +239,9 @@ def run_docs_bench(model_spec: str = "random:gpt2", n_documents: int = 10_000, c
     model = native.to(dtype).eval()
     # compile as eval would for a run of this size (auto), unless told
     compiled, compile_reason = use_compile(compile, device, corpus.n_tokens, loss)
-    score_fn = make_score_fn(model, loss=loss)
+    eager_score_fn = score_fn = make_score_fn(model, loss=loss)
     if compiled:
-        score_fn = compile_score_fn(score_fn)
+        score_fn = compile_score_fn(eager_score_fn)
         allow_shapes(32)   # every mode's shapes share one compiled function: bucketed alone has up to ~10
     log(f"fastppl: {loss} loss, compile {compile_reason}, dtype {str(dtype).replace('torch.', '')}")
 
@@ -214,14 +253,20 @@ def run_docs_bench(model_spec: str = "random:gpt2", n_documents: int = 10_000, c
             f"{100 * result.padding_waste:6.1f} %  nll_sum {result.nll_sum:.6f}  {result.note}")
 
     for mode in BATCHING_MODES:
-        record(time_fastppl_mode(mode, score_fn, corpus, mode, ctx, batch_size, device))
+        # packed rows take eval's path: eager on CUDA (see fastppl.pipeline), the kernel of document_attention
+        mode_score_fn = eager_score_fn if mode == "packed" and on_cuda else score_fn
+        result = time_fastppl_mode(mode, mode_score_fn, corpus, mode, ctx, batch_size, device)
+        if mode == "packed":
+            result.note = f"{document_attention_backend(device, dtype)} attention; " + result.note
+        record(result)
     record(time_lm_eval_baseline(hf_model, corpus, batch_size, device))
     del hf_model
     dense_result = time_fastppl_mode("dense", score_fn, dense, "padded", ctx, batch_size, device)
     dense_result.note = "the same tokens as one stream, full rows; " + dense_result.note
     record(dense_result)
     return docs_report(results, corpus.n_tokens, model=model_spec, documents=n_documents, ctx=ctx,
-                       batch_size=batch_size, device=device, dtype=dtype, loss=loss, compile=compile_reason)
+                       batch_size=batch_size, device=device, dtype=dtype, loss=loss, compile=compile_reason,
+                       document_attention=document_attention_backend(device, dtype))
 
 
 def docs_report(results: list[ModeResult], n_tokens: int, *, device: torch.device, dtype: torch.dtype,
@@ -256,7 +301,8 @@ def docs_report(results: list[ModeResult], n_tokens: int, *, device: torch.devic
 def format_docs_table(report: dict) -> str:
     lines = [f"fastppl bench --corpus docs  {report['model']}  {report['documents']:,} documents "
              f"({report['tokens']:,} tokens)  ctx {report['ctx']}  batch {report['batch_size']}  "
-             f"{report['device_name']}  {report['dtype']}  torch {report['torch']}",
+             f"{report['device_name']}  {report['dtype']}  torch {report['torch']}"
+             + (f"  packed attention {report['document_attention']}" if report.get("document_attention") else ""),
              f"{'mode':<10}{'tokens/s':>14}{'padding waste':>15}{'nll_sum':>22}{'peak GiB':>10}  note"]
     for r in report["rows"]:
         peak = "n/a" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**30:.2f}"

@@ -34,6 +34,7 @@ from .engine.score import DeviceSums, make_score_fn, score_batches, score_plans
 from .errors import FastpplError
 from .metrics import lm_eval_word_count, per_unit_metrics
 from .models import load_model
+from .models.attention import document_attention_backend, varlen_available
 from .progress import Progress
 from .resume import KILL_AFTER_BATCHES_ENV, Checkpointer, data_sha256, model_files, run_fingerprint
 
@@ -177,7 +178,8 @@ def evaluate(config: EvalConfig) -> dict:
     scored_documents = np.flatnonzero(scored_by_document)
 
     # refs are in plan order (documents in order, windows in order): the window index of the batch plan
-    batching, batching_reason = resolve_batching(config.batching, len(scored_documents), takes_document_ids(model))
+    batching, batching_reason = resolve_batching(config.batching, len(scored_documents), takes_document_ids(model),
+                                                 varlen_available(device, dtype))
     window_lengths = np.array([r.window.length for r in refs], dtype=np.int64)
 
     mark = time.perf_counter()
@@ -190,7 +192,8 @@ def evaluate(config: EvalConfig) -> dict:
     compiled, compile_reason = use_compile(config.compile, device, n_scored, loss, model_family(model))
     if compiled and batching == "packed" and device.type == "cuda":
         # FlexAttention document masks inside the compiled scorer hit an illegal memory access in
-        # Inductor on torch 2.11 (tests/test_document_attention.py on the H200); eager packing is exact
+        # Inductor on torch 2.11 (tests/test_document_attention.py on the H200); eager packing is exact.
+        # varlen rows stay eager too: each batch's segment count and longest segment would recompile
         compiled, compile_reason = False, "off (packed rows run eager: compiled FlexAttention failed on torch 2.11)"
     mlp_epilogue = "plain"
     if device.type == "cuda" and not compiled and fuse_mlp_epilogue(model):
@@ -317,6 +320,9 @@ def evaluate(config: EvalConfig) -> dict:
         "batching": "kv-cache rows" if use_kv_cache else batching,
         "batching_reason": "one row per document (--kv-cache on)" if use_kv_cache else batching_reason,
         "batches": None if use_kv_cache else len(plans),
+        # the kernel that kept packed documents apart: varlen, flex or sdpa-mask (after any fallback)
+        "document_attention": document_attention_backend(device, dtype) if batching == "packed" and not use_kv_cache
+                              else None,
         "padding_waste": None if use_kv_cache else padding_waste(plans, window_lengths),
         "ctx": ctx,
         "stride": (config.stride or max(ctx // 2, 1)) if config.window == "sliding" else None,

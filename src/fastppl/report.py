@@ -80,6 +80,7 @@ def summary(result: dict) -> str:
         + (f" ({result['documents_skipped']} skipped: no token to score)" if result.get("documents_skipped") else ""),
         f"windows     {window}  {result['windows']:,} windows",
         f"batching    {result['batching']}"
+        + (f" ({result['document_attention']} attention)" if result.get("document_attention") else "")
         + (f"  {result['batches']:,} batches  padding waste {result['padding_waste']:.1%} (padded tokens / real tokens)"
            if result.get("batches") is not None else "")
         + (f"  resumed after batch {result['resumed_from_batch']:,}" if result.get("resumed_from_batch") else ""),

@@ -1,7 +1,8 @@
 """Batches of windows as fixed-shape arrays (B, T): right-padded rows, and whole padding rows at the
 end of the last batch, so that a compiled scorer sees one shape for the whole run (one per bucket when
 bucketed). A packed batch (see fastppl.data.packing) holds several windows per row and carries position
-ids that restart at each window and document ids that keep attention inside each window."""
+ids that restart at each window and document ids that keep attention inside each window, and the same
+documents as segments of the flattened rows for variable-length attention (document_segments)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,6 +31,27 @@ class Batch:
     target_document: Optional[np.ndarray] = None   # (B, T) int64: document of the scored target, -1 if unscored
     position_ids: Optional[np.ndarray] = None      # (B, T) int64, packed only: position inside the window
     document_ids: Optional[np.ndarray] = None      # (B, T) int64, packed only: window id within the batch, -1 padding
+    cu_seqlens: Optional[np.ndarray] = None        # (n_segments + 1,) int32, packed only: see document_segments
+    max_seqlen: Optional[int] = None               # packed only: the longest segment
+
+
+def document_segments(document_ids: np.ndarray) -> tuple[np.ndarray, int]:
+    """(cu_seqlens, max_seqlen) of a packed batch's (B, T) document ids: the runs of equal ids along each
+    row of the flattened B*T tokens, as variable-length attention reads them. A row boundary always starts a
+    segment, so the padding at the end of a row (ids -1) is a segment of its own, as is a whole padding row:
+
+        row 0   a a a b b . .        ids  0 0 0 1 1 -1 -1
+        row 1   c c c c c c c             2 2 2 2 2  2  2
+        cu_seqlens = [0, 3, 5, 7, 14]   max_seqlen = 7
+
+    cu_seqlens is int32: its first entries are the segment starts and its last is B*T."""
+    B, T = document_ids.shape
+    flat = document_ids.reshape(-1)
+    starts = np.ones(B * T, dtype=bool)
+    starts[1:] = flat[1:] != flat[:-1]
+    starts[::T] = True
+    cu_seqlens = np.append(np.flatnonzero(starts), B * T).astype(np.int32)
+    return cu_seqlens, int(np.diff(cu_seqlens).max())
 
 
 def _empty_batch(n_rows: int, seq_len: int, packed: bool) -> Batch:
@@ -91,4 +113,6 @@ def batch_from_plan(
             length = ref.window.length
             batch.position_ids[row, column:column + length] = np.arange(length)
             batch.document_ids[row, column:column + length] = slot
+    if plan.packed:
+        batch.cu_seqlens, batch.max_seqlen = document_segments(batch.document_ids)
     return batch

@@ -141,13 +141,17 @@ def padding_waste_by_mode(lengths: Sequence[int], ctx: int, batch_size: int) -> 
     return {mode: padding_waste(plan_batches(lengths, mode, ctx, batch_size), lengths) for mode in BATCHING_MODES}
 
 
-def resolve_batching(setting: str, n_documents: int, takes_document_ids: bool) -> tuple[str, str]:
-    """(mode, why) for --batching auto|packed|bucketed|padded. n_documents: documents with something to score.
+def resolve_batching(setting: str, n_documents: int, takes_document_ids: bool,
+                     varlen: bool = False) -> tuple[str, str]:
+    """(mode, why) for --batching auto|packed|bucketed|padded. n_documents: documents with something to score;
+    varlen: whether packed rows would run through variable-length flash attention on this device and dtype
+    (fastppl.models.attention.varlen_available).
 
     auto: one document -> padded (its windows are full rows but the last, and plain causal attention runs the
-    fastest kernels); several -> bucketed: on the H200 it scored the 10,000-document bench corpus at 1.12 M
-    tokens/s against packed's 0.90 M (docs/BENCHMARKS.md), because plain causal SDPA on a few padded shapes
-    beats FlexAttention's document masks on full rows despite 19 % padding. packed stays available."""
+    fastest kernels); several -> packed where varlen runs it (a flash kernel over the real tokens only, no
+    padding to pay for), else bucketed: on the H200 bucketed scored the 10,000-document bench corpus at
+    1.12 M tokens/s against packed-with-FlexAttention's 0.90 M (docs/BENCHMARKS.md), because plain causal
+    SDPA on a few padded shapes beats FlexAttention's document masks on full rows despite 19 % padding."""
     if setting == "packed" and not takes_document_ids:
         raise FastpplError("--batching packed needs a model whose forward takes document_ids (the native "
                            "backend); use --batching bucketed with this model")
@@ -155,7 +159,9 @@ def resolve_batching(setting: str, n_documents: int, takes_document_ids: bool) -
         return setting, f"{setting} (--batching {setting})"
     if n_documents <= 1:
         return "padded", "padded (auto: one document)"
-    return "bucketed", "bucketed (auto: several documents; measured faster than packed)"
+    if varlen and takes_document_ids:
+        return "packed", "packed (auto: several documents; variable-length flash attention)"
+    return "bucketed", "bucketed (auto: several documents; measured faster than packed with FlexAttention)"
 
 
 def split_rows(plan: BatchPlan, max_rows: int) -> list[BatchPlan]:

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from ..data.batching import Batch
+from ..models.attention import DocumentIds, DocumentSpans
 from .loss import chunked_token_nll, token_nll_fn
 
 # (input_ids, targets, score_mask[, position_ids, document_ids]) -> (B, T) NLL
@@ -21,14 +22,14 @@ ScoreFn = Callable[..., torch.Tensor]
 def make_score_fn(model: nn.Module, chunk_rows: int = 8192, loss: str = "chunked") -> ScoreFn:
     """(input_ids, targets, score_mask), each (B, T) -> (B, T) fp32 NLL, 0 where not scored.
     loss: "chunked" (any device) or "fused" (the Triton kernel, CUDA). Packed rows also pass
-    position_ids and document_ids (B, T), which go to the model as they are."""
+    position_ids (B, T) and document_ids ((B, T) ids or a DocumentSpans), which go to the model as they are."""
     weight = model.lm_head.weight
     bias = getattr(model.lm_head, "bias", None)
     token_nll = token_nll_fn(loss, chunk_rows)
 
     def score(
         input_ids: torch.Tensor, targets: torch.Tensor, score_mask: torch.Tensor,
-        position_ids: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None, document_ids: Optional[DocumentIds] = None,
     ) -> torch.Tensor:
         B, T = input_ids.shape
         if document_ids is None:
@@ -125,6 +126,9 @@ def score_batches(
         score_mask = to_device(batch.score_mask, device)
         position_ids = to_device(batch.position_ids, device)
         document_ids = to_device(batch.document_ids, device)
+        if document_ids is not None and batch.cu_seqlens is not None:
+            # the same documents as segments too, for variable-length attention (fastppl.models.attention)
+            document_ids = DocumentSpans(document_ids, to_device(batch.cu_seqlens, device), batch.max_seqlen)
         # unpacked batches call score_fn with three arguments, as any scorer of (B, T) rows takes
         packed = () if document_ids is None else (position_ids, document_ids)
         nll = score_fn(input_ids, targets, score_mask, *packed)         # (B, T) fp32

@@ -1,32 +1,157 @@
 """Causal self-attention shared by the architectures, optionally restricted to one document per
 span of a packed row (document_ids), so that packed documents never attend to each other.
 
-On CUDA a document mask runs through FlexAttention with a block mask, which skips the blocks that lie
-wholly outside every document; elsewhere it is a boolean (B, 1, T, T) mask for SDPA."""
+A packed batch's documents come as a DocumentSpans (or, from callers that build rows by hand, a bare
+(B, T) id tensor). Which kernel runs them:
+
+  CUDA, bf16/fp16, torch's varlen_attn usable   variable-length flash attention over the flattened B*T
+                                                tokens, causal inside each segment of cu_seqlens
+  CUDA otherwise (fp32, no varlen, bare ids)    FlexAttention with a block mask, which skips the blocks
+                                                that lie wholly outside every document
+  elsewhere                                     SDPA under a boolean (B, 1, T, T) mask
+
+If varlen_attn raises once (other than out of memory), FlexAttention serves the rest of the process."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+import functools
+import inspect
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
 
 
+@dataclass(frozen=True)
+class DocumentSpans:
+    """The documents of a packed batch in the two forms the kernels read. Segments are the runs of equal ids
+    along each row of the flattened (B*T) tokens; padding at the end of a row is a segment of its own (its
+    outputs are never scored), and no segment crosses a row boundary."""
+    ids: torch.Tensor          # (B, T) int64: equal ids attend to each other; -1 padding
+    cu_seqlens: torch.Tensor   # (n_segments + 1,) int32: first flat token of each segment, then B*T
+    max_seqlen: int            # longest segment, in tokens (a host int: no device sync to read it)
+
+
+DocumentIds = Union[torch.Tensor, DocumentSpans]
+
+
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,   # (B, nh, T, hs); k, v may have fewer heads (GQA)
-    document_ids: Optional[torch.Tensor] = None,          # (B, T) int: equal ids attend to each other
+    document_ids: Optional[DocumentIds] = None,          # (B, T) ids, or DocumentSpans; None: one document
 ) -> torch.Tensor:
     """(B, nh, T, hs) attention output. Plain causal attention uses SDPA's fused kernels."""
     enable_gqa = k.shape[1] != q.shape[1]
     if document_ids is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
+    ids = document_ids
+    if isinstance(document_ids, DocumentSpans):
+        ids = document_ids.ids
+        if varlen_available(q.device, q.dtype):
+            try:
+                return varlen_document_attention(q, k, v, document_ids, _varlen_attn_fn())
+            except Exception as error:   # noqa: BLE001: any kernel failure falls back, once and for good
+                if _is_out_of_memory(error):
+                    raise   # the scorer's back-off halves the batch; FlexAttention would need more memory
+                _varlen_failed(error)
     if q.device.type == "cuda":
-        return flex_document_attention(q, k, v, document_ids, _flex_attention_fn())
+        return flex_document_attention(q, k, v, ids, _flex_attention_fn())
     T = q.shape[2]
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    same_document = document_ids[:, :, None] == document_ids[:, None, :]          # (B, T, T)
+    same_document = ids[:, :, None] == ids[:, None, :]                          # (B, T, T)
     mask = (causal & same_document)[:, None]                                    # (B, 1, T, T)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
 
+
+# ---- variable-length flash attention (torch.nn.attention.varlen) ----------------------------------------
+
+# The first error varlen_attn raised, as one line; once set, FlexAttention serves every packed batch.
+_varlen_failure: list[str] = []
+
+
+def _is_out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def _varlen_failed(error: BaseException) -> None:
+    message = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+    _varlen_failure.append(message)
+    warnings.warn(f"varlen_attn failed ({message}); packed rows use FlexAttention from now on", RuntimeWarning)
+
+
+def varlen_failure() -> Optional[str]:
+    """The error that switched this process from varlen_attn to FlexAttention, if any."""
+    return _varlen_failure[0] if _varlen_failure else None
+
+
+def _varlen_attn_fn() -> Optional[Callable]:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:   # torch before 2.9
+        return None
+    return varlen_attn
+
+
+@functools.lru_cache(maxsize=None)
+def varlen_signature(fn: Callable) -> Optional[tuple[dict, bool]]:
+    """(keyword arguments that make fn causal, whether fn takes enable_gqa), or None for a signature this
+    adapter does not know. torch has spelled causality two ways:
+        varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=False, ...)             (earlier, 2.11 among them)
+        varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1), ...)        (later; (-1, 0) is causal)
+    and only the later ones take enable_gqa."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return None
+    if "window_size" in parameters:
+        causal = {"window_size": (-1, 0)}   # a tuple: varlen_attn tests `window_size == (-1, 0)`
+    elif "is_causal" in parameters:
+        causal = {"is_causal": True}
+    else:
+        return None
+    return causal, "enable_gqa" in parameters
+
+
+def varlen_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether packed rows on (device, dtype) run through varlen_attn: CUDA, bf16 or fp16 (the flash
+    kernel's dtypes), a varlen_attn of a known signature, and no earlier failure in this process."""
+    if torch.device(device).type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or _varlen_failure:
+        return False
+    fn = _varlen_attn_fn()
+    return fn is not None and varlen_signature(fn) is not None
+
+
+def document_attention_backend(device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel that packed rows of DocumentSpans get on (device, dtype): varlen, flex or sdpa-mask."""
+    if varlen_available(device, dtype):
+        return "varlen"
+    return "flex" if torch.device(device).type == "cuda" else "sdpa-mask"
+
+
+def varlen_document_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: DocumentSpans, varlen_attn_fn: Callable,
+) -> torch.Tensor:
+    """(B, nh, T, hs) causal attention within the segments of spans.cu_seqlens, through varlen_attn_fn
+    (torch's varlen_attn, or a stand-in of either signature in the tests)."""
+    B, nh, T, hs = q.shape
+    signature = varlen_signature(varlen_attn_fn)
+    if signature is None:
+        raise TypeError(f"unknown varlen_attn signature {inspect.signature(varlen_attn_fn)}")
+    causal, takes_gqa = signature
+    # (B, nh, T, hs) -> (B*T, nh, hs): a view when q was a transposed (B, T, nh, hs), as the models make it
+    q, k, v = (t.transpose(1, 2).reshape(B * T, t.shape[1], hs) for t in (q, k, v))
+    extra = dict(causal)
+    if k.shape[1] != nh:
+        if takes_gqa:
+            extra["enable_gqa"] = True
+        else:   # query head h reads key head h // (nh / nkv), as SDPA's enable_gqa
+            k, v = (t.repeat_interleave(nh // t.shape[1], dim=1) for t in (k, v))
+    cu, longest = spans.cu_seqlens, spans.max_seqlen
+    y = varlen_attn_fn(q, k, v, cu, cu, longest, longest, **extra)                # (B*T, nh, hs)
+    return y.view(B, T, nh, hs).transpose(1, 2)                                   # (B, nh, T, hs)
+
+
+# ---- the KV-cache path and FlexAttention -------------------------------------------------------------
 
 def masked_attention(
     q: torch.Tensor,                    # (B, nh, T, hs)
