@@ -116,6 +116,10 @@ def agreement_check(name: str, preset: str, ctx: int) -> None:
                     f" varlen-flex {report['spans_vs_ids_max_abs']:.3g}; total rel: varlen "
                     f"{report['spans_vs_alone_total_rel']:.1e}, flex {report['ids_vs_alone_total_rel']:.1e}")
     del model
+    if attention.varlen_failure():
+        # the fallback is sticky for the process: note it, then let the later stages try varlen again
+        check(f"{name} no fallback", False, f"varlen failed: {attention.varlen_failure()}")
+        attention._varlen_failure.clear()
 
 
 def auto_check() -> None:

@@ -148,7 +148,7 @@ def varlen_document_attention(
             k, v = (t.repeat_interleave(nh // t.shape[1], dim=1) for t in (k, v))
     cu, longest = spans.cu_seqlens, spans.max_seqlen
     y = varlen_attn_fn(q, k, v, cu, cu, longest, longest, **extra)                # (B*T, nh, hs)
-    return y.view(B, T, nh, hs).transpose(1, 2)                                   # (B, nh, T, hs)
+    return y.reshape(B, T, nh, hs).transpose(1, 2)                                # (B, nh, T, hs)
 
 
 # ---- the KV-cache path and FlexAttention -------------------------------------------------------------
