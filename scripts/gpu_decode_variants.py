@@ -9,6 +9,7 @@ bf16 compiled tokens are compared with the old default (scatter cache write): th
 reported, not checked (bf16 ties and rounding differ between kernels).
 
     PYTHONPATH=src python3 scripts/gpu_decode_variants.py        # ~200 s; variants past the budget are skipped
+DECODE_BUDGET_S (190) sets the budget, DECODE_ONLY a comma-separated list of variant names to run.
 """
 import json
 import os
@@ -41,6 +42,8 @@ VARIANTS = [
     ("no cudagraph trees", "", {"triton.cudagraph_trees": False}),
     ("max_autotune_gemm", "", {"max_autotune_gemm": True}),
 ]
+if os.environ.get("DECODE_ONLY"):   # e.g. DECODE_ONLY="index_copy (default),max_autotune_gemm"
+    VARIANTS = [v for v in VARIANTS if v[0] in os.environ["DECODE_ONLY"].split(",")]
 
 
 def elapsed() -> float:

@@ -68,7 +68,9 @@ class DecodeOptions:
             if key in ("attention", "cache_write"):
                 fields[key] = value
             elif key == "attend_bucket":
-                fields[key] = int(value) if value.isdigit() else -1
+                if not value.isdigit():
+                    raise FastpplError(f"{DECODE_ENV}: attend_bucket must be an integer >= 0, got {value!r}")
+                fields[key] = int(value)
             elif key in ("additive_mask", "dynamic"):
                 if value.lower() not in ("0", "1", "true", "false", "none"):
                     raise FastpplError(f"{DECODE_ENV}: {key} must be true, false (or none for dynamic), got {value!r}")
