@@ -144,7 +144,7 @@ def test_benchmark_generate_reports_decode_speed():
     assert result["decode_tokens_per_second"] > 0 and result["time_to_first_token_seconds"] > 0
 
 
-DECODE_VARIANTS = ["cache_write=scatter", "attention=matmul", "attention=reduction", "additive_mask=true", "cache_write=index_copy",
+DECODE_VARIANTS = ["cache_write=per_row", "attention=matmul", "attention=reduction", "additive_mask=true", "cache_write=index_copy",
                    "attend_bucket=8", "attention=reduction,additive_mask=1,cache_write=index_copy,attend_bucket=8"]
 
 

@@ -106,13 +106,15 @@ def test_masked_attention_kernels_masks_and_truncation_agree(kernel, nkv):
         torch.testing.assert_close(masked_attention(q, k, v, m, kernel), expected, rtol=1e-5, atol=1e-6)
 
 
-def test_cache_write_of_shared_slots_equals_scatter():
+def test_cache_writes_per_row_and_shared_equal_scatter():
     from fastppl.models.kv_cache import KVCache
     generator = torch.Generator().manual_seed(0)
-    k, v = (torch.randn(2, 3, 1, 4, generator=generator) for _ in range(2))
-    scattered, copied = (KVCache(2, 3, 6, 4, torch.float32, torch.device("cpu")) for _ in range(2))
-    slot = torch.tensor([4])
-    scattered.update(slot.expand(2, 1), k, v)
-    copied.update(slot, k, v)
-    assert torch.equal(scattered.k, copied.k) and torch.equal(scattered.v, copied.v)
-    assert torch.equal(copied.k[:, :, 4:5], k) and copied.k[:, :, :4].abs().sum() == 0
+    k, v = (torch.randn(2, 3, 2, 4, generator=generator) for _ in range(2))
+    per_row, shared = (KVCache(2, 3, 6, 4, torch.float32, torch.device("cpu")) for _ in range(2))
+    slots = torch.tensor([[4, 1], [0, 5]])
+    per_row.update(slots, k, v)
+    expected = torch.zeros(2, 3, 6, 4).scatter_(2, slots[:, None, :, None].expand_as(k), k)
+    assert torch.equal(per_row.k, expected)
+    shared.update(slots[0], k, v)                       # (T,): both rows write slots 4 and 1
+    assert torch.equal(shared.k[:, :, [4, 1]], k) and torch.equal(shared.v[:, :, [4, 1]], v)
+    assert shared.k[:, :, [0, 2, 3, 5]].abs().sum() == 0

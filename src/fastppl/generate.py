@@ -41,8 +41,7 @@ class DecodeOptions:
     The defaults come from the environment variable FASTPPL_DECODE (DecodeOptions.from_env)."""
     attention: str = "sdpa"          # masked_attention's kernel: sdpa, matmul or reduction
     additive_mask: bool = False      # the mask as a float 0 / -inf tensor, built once a step, not bool
-    # index_copy: one slot for all rows, written in place. scatter: scatter_ with a (B, nkv, 1, hs) index, which
-    # Inductor turns into a copy of the whole cache and a copy back, per layer and step (seen in its output code)
+    # index_copy: every row writes the same slot (index_copy_); per_row: each row its own (index_put_)
     cache_write: str = "index_copy"
     # > 0: a step attends to the first ceil((input_pos + 1) / attend_bucket) * attend_bucket cache slots, not
     # to all of them (one compiled shape per bucket; 0 = always the whole cache)
@@ -53,8 +52,8 @@ class DecodeOptions:
         if self.attention not in MASKED_ATTENTION:
             raise FastpplError(f"{DECODE_ENV}: attention must be one of {', '.join(MASKED_ATTENTION)}, "
                                f"got {self.attention!r}")
-        if self.cache_write not in ("scatter", "index_copy"):
-            raise FastpplError(f"{DECODE_ENV}: cache_write must be scatter or index_copy, got {self.cache_write!r}")
+        if self.cache_write not in ("index_copy", "per_row"):
+            raise FastpplError(f"{DECODE_ENV}: cache_write must be index_copy or per_row, got {self.cache_write!r}")
         if self.attend_bucket < 0:
             raise FastpplError(f"{DECODE_ENV}: attend_bucket must be >= 0, got {self.attend_bucket}")
 
@@ -183,7 +182,7 @@ def decode_one_token(
     if additive_mask:
         dtype = next(model.parameters()).dtype
         mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -math.inf)
-    slots = input_pos if cache_write == "index_copy" else input_pos.expand(B, 1)
+    slots = input_pos if cache_write == "index_copy" else input_pos.expand(B, 1)   # (1,) or (B, 1)
     step = CacheStep(slots=slots, mask=mask, attention=attention)
     hidden = model(token, positions, cache_step=step)
     next_token = sample(_logits(model, hidden), temperature, top_k, top_p)

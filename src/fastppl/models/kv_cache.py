@@ -9,7 +9,7 @@ The model's forward is the same with and without a cache. Given a cache_step, ea
 writes the keys and values of the T new tokens into the slots named by `cache_step.slots`, then its
 queries attend to all L slots under `cache_step.mask`. Which slot holds which token, and who may see it, is the
 caller's business (generation: slot = step; cached sliding windows: a ring buffer), so the cache is
-nothing but two tensors and a scatter (or an index_copy_ when all rows write the same slots). Shapes never change, which is what CUDA graphs need.
+nothing but two tensors and an indexed write. Shapes never change, which is what CUDA graphs need.
 """
 from __future__ import annotations
 
@@ -53,9 +53,11 @@ class KVCache(nn.Module):
             self.k.index_copy_(2, slots, k)
             self.v.index_copy_(2, slots, v)
             return self.k, self.v
-        index = slots[:, None, :, None].expand_as(k)
-        self.k.scatter_(2, index, k)
-        self.v.scatter_(2, index, v)
+        # an index_put_, not a scatter_ with an expanded index: Inductor writes the first in place, but turns
+        # the second into a copy of the whole cache and a copy back
+        rows = torch.arange(k.shape[0], device=slots.device)[:, None]             # (B, 1)
+        self.k[rows, :, slots] = k.transpose(1, 2)                                 # (B, T, nkv, hs)
+        self.v[rows, :, slots] = v.transpose(1, 2)
         return self.k, self.v
 
     def reset(self) -> None:
