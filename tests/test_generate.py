@@ -6,7 +6,7 @@ import torch
 
 from fastppl.cli import main
 from fastppl.errors import FastpplError
-from fastppl.generate import Sampling, benchmark_generate, generate, sample
+from fastppl.generate import DecodeOptions, Sampling, benchmark_generate, generate, sample
 from fastppl.models.loading import native_to_hf, random_native
 
 EOS = 50256
@@ -142,3 +142,32 @@ def test_benchmark_generate_reports_decode_speed():
     result = benchmark_generate(random_native("gpt2-tiny"), batch_size=2, prompt_length=4, new_tokens=6)
     assert result["decode_steps"] == 5 and result["new_tokens"] == [6, 6]
     assert result["decode_tokens_per_second"] > 0 and result["time_to_first_token_seconds"] > 0
+
+
+DECODE_VARIANTS = ["cache_write=per_row", "attention=matmul", "attention=reduction", "additive_mask=true", "cache_write=index_copy",
+                   "attend_bucket=8", "attention=reduction,additive_mask=1,cache_write=index_copy,attend_bucket=8"]
+
+
+@pytest.mark.parametrize("options", DECODE_VARIANTS)
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
+def test_decode_options_give_the_default_tokens(preset, options):
+    """Each decode variant, batched prompts of different lengths, equals the default (which equals
+    transformers, above) token for token in fp32; the environment variable selects it too."""
+    model = _model(preset)
+    prompts = _prompts([9, 2, 5, 13])
+    expected = generate(model, prompts, 20, eos_id=None, decode=DecodeOptions()).tokens
+    assert generate(model, prompts, 20, eos_id=None, decode=DecodeOptions.parse(options)).tokens == expected
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FASTPPL_DECODE", options)
+        assert DecodeOptions.from_env() == DecodeOptions.parse(options)
+        assert generate(model, prompts[1:2], 20, eos_id=None).tokens == expected[1:2]
+
+
+def test_decode_options_parse_and_bucket_lengths():
+    options = DecodeOptions.parse(" attention=matmul, attend_bucket=64 ,dynamic=false")
+    assert options == DecodeOptions(attention="matmul", attend_bucket=64, dynamic=False)
+    assert DecodeOptions.parse("") == DecodeOptions() and DecodeOptions().attend_len(40, 320) == 320
+    assert [options.attend_len(pos, 320) for pos in (32, 63, 64, 300)] == [64, 64, 128, 320]
+    for bad in ("attention=flash", "cache_write=put", "attend_bucket=-3", "colour=red", "dynamic=maybe"):
+        with pytest.raises(FastpplError, match="FASTPPL_DECODE"):
+            DecodeOptions.parse(bad)

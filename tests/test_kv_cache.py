@@ -86,3 +86,35 @@ def test_grouped_masked_attention_equals_expanded_heads(T):
     expected = torch.nn.functional.scaled_dot_product_attention(
         q, k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1), attn_mask=mask)
     torch.testing.assert_close(masked_attention(q, k, v, mask), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "matmul", "reduction"])
+@pytest.mark.parametrize("nkv", [8, 2])
+def test_masked_attention_kernels_masks_and_truncation_agree(kernel, nkv):
+    """Every kernel, with a bool or an additive mask, over the whole cache or only its first L' slots
+    (the slots past L' hidden), equals SDPA with the bool mask over all slots."""
+    from fastppl.models.attention import masked_attention
+    generator = torch.Generator().manual_seed(nkv)
+    q = torch.randn(3, 8, 1, 16, generator=generator)
+    k, v = (torch.randn(3, nkv, 12, 16, generator=generator) for _ in range(2))
+    mask = torch.rand(3, 1, 1, 7, generator=generator) > 0.4
+    mask[..., 0] = True
+    full = torch.cat([mask, torch.zeros(3, 1, 1, 5, dtype=torch.bool)], dim=-1)          # (B, 1, 1, 12)
+    expected = masked_attention(q, k, v, full)
+    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    for m in (full, mask, additive):
+        torch.testing.assert_close(masked_attention(q, k, v, m, kernel), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_cache_writes_per_row_and_shared_equal_scatter():
+    from fastppl.models.kv_cache import KVCache
+    generator = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(2, 3, 2, 4, generator=generator) for _ in range(2))
+    per_row, shared = (KVCache(2, 3, 6, 4, torch.float32, torch.device("cpu")) for _ in range(2))
+    slots = torch.tensor([[4, 1], [0, 5]])
+    per_row.update(slots, k, v)
+    expected = torch.zeros(2, 3, 6, 4).scatter_(2, slots[:, None, :, None].expand_as(k), k)
+    assert torch.equal(per_row.k, expected)
+    shared.update(slots[0], k, v)                       # (T,): both rows write slots 4 and 1
+    assert torch.equal(shared.k[:, :, [4, 1]], k) and torch.equal(shared.v[:, :, [4, 1]], v)
+    assert shared.k[:, :, [0, 2, 3, 5]].abs().sum() == 0

@@ -28,9 +28,67 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import FastpplError
+from .models.attention import MASKED_ATTENTION
 from .models.kv_cache import CacheStep, ensure_kv_cache, supports_kv_cache
 
 CACHE_LEN_MULTIPLE = 64   # cache lengths rounded up to this, so that nearby lengths share a compiled graph
+DECODE_ENV = "FASTPPL_DECODE"   # e.g. "attention=matmul,cache_write=index_copy,attend_bucket=64"
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How the decode step computes; every choice gives the same tokens in fp32 (tests/test_generate.py).
+    The defaults come from the environment variable FASTPPL_DECODE (DecodeOptions.from_env)."""
+    attention: str = "sdpa"          # masked_attention's kernel: sdpa, matmul or reduction
+    additive_mask: bool = False      # the mask as a float 0 / -inf tensor, built once a step, not bool
+    # index_copy: every row writes the same slot (index_copy_); per_row: each row its own (index_put_)
+    cache_write: str = "index_copy"
+    # > 0: a step attends to the first ceil((input_pos + 1) / attend_bucket) * attend_bucket cache slots, not
+    # to all of them (one compiled shape per bucket; 0 = always the whole cache)
+    attend_bucket: int = 0
+    dynamic: Optional[bool] = None   # torch.compile's dynamic; False compiles every batch size and bucket apart
+
+    def __post_init__(self) -> None:
+        if self.attention not in MASKED_ATTENTION:
+            raise FastpplError(f"{DECODE_ENV}: attention must be one of {', '.join(MASKED_ATTENTION)}, "
+                               f"got {self.attention!r}")
+        if self.cache_write not in ("index_copy", "per_row"):
+            raise FastpplError(f"{DECODE_ENV}: cache_write must be index_copy or per_row, got {self.cache_write!r}")
+        if self.attend_bucket < 0:
+            raise FastpplError(f"{DECODE_ENV}: attend_bucket must be >= 0, got {self.attend_bucket}")
+
+    @classmethod
+    def parse(cls, text: str) -> "DecodeOptions":
+        """"key=value,key=value" -> DecodeOptions; "" gives the defaults."""
+        fields = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            key, _, value = item.partition("=")
+            key, value = key.strip(), value.strip()
+            if key in ("attention", "cache_write"):
+                fields[key] = value
+            elif key == "attend_bucket":
+                if not value.isdigit():
+                    raise FastpplError(f"{DECODE_ENV}: attend_bucket must be an integer >= 0, got {value!r}")
+                fields[key] = int(value)
+            elif key in ("additive_mask", "dynamic"):
+                if value.lower() not in ("0", "1", "true", "false", "none"):
+                    raise FastpplError(f"{DECODE_ENV}: {key} must be true, false (or none for dynamic), got {value!r}")
+                fields[key] = None if value.lower() == "none" else value.lower() in ("1", "true")
+            else:
+                raise FastpplError(f"{DECODE_ENV}: unknown option {key!r}; use attention, additive_mask, "
+                                   "cache_write, attend_bucket, dynamic")
+        return cls(**fields)
+
+    @classmethod
+    def from_env(cls) -> "DecodeOptions":
+        import os
+        return cls.parse(os.environ.get(DECODE_ENV, ""))
+
+    def attend_len(self, input_pos: int, cache_len: int) -> int:
+        """How many cache slots a step that writes slot input_pos reads."""
+        if self.attend_bucket == 0:
+            return cache_len
+        return min(cache_len, -(-(input_pos + 1) // self.attend_bucket) * self.attend_bucket)
 
 
 @dataclass(frozen=True)
@@ -104,7 +162,7 @@ def prefill(model: nn.Module, ids: torch.Tensor, pad: torch.Tensor, cache_len: i
     B, P = ids.shape
     slots = torch.arange(P, device=ids.device)
     positions = (slots[None, :] - pad[:, None]).clamp(min=0)                  # (B, P)
-    step = CacheStep(slots=slots.expand(B, P), mask=padded_mask(pad, slots, cache_len))
+    step = CacheStep(slots=slots, mask=padded_mask(pad, slots, cache_len))   # (P,) slots: every row the same
     hidden = model(ids, positions, cache_step=step)
     return sample(_logits(model, hidden), sampling.temperature, sampling.top_k, sampling.top_p)
 
@@ -112,32 +170,40 @@ def prefill(model: nn.Module, ids: torch.Tensor, pad: torch.Tensor, cache_len: i
 def decode_one_token(
     model: nn.Module, token: torch.Tensor, input_pos: torch.Tensor, pad: torch.Tensor, finished: torch.Tensor,
     cache_len: int, eos_id: int, temperature: float, top_k: Optional[int], top_p: Optional[float],
+    attention: str = "sdpa", additive_mask: bool = False, cache_write: str = "index_copy",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One step: token (B, 1) goes into cache slot input_pos (1,); -> next token (B,), finished (B,).
-    A finished row keeps emitting eos_id (its outputs are cut at the first one)."""
+    The step attends to the first cache_len slots (at most the cache's length). A finished row keeps
+    emitting eos_id (its outputs are cut at the first one). attention, additive_mask, cache_write: see
+    DecodeOptions."""
     B = token.shape[0]
     positions = (input_pos[None, :] - pad[:, None]).clamp(min=0)              # (B, 1)
-    step = CacheStep(slots=input_pos.expand(B, 1), mask=padded_mask(pad, input_pos, cache_len))
+    mask = padded_mask(pad, input_pos, cache_len)                             # (B, 1, 1, cache_len), every layer's
+    if additive_mask:
+        dtype = next(model.parameters()).dtype
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -math.inf)
+    slots = input_pos if cache_write == "index_copy" else input_pos.expand(B, 1)   # (1,) or (B, 1)
+    step = CacheStep(slots=slots, mask=mask, attention=attention)
     hidden = model(token, positions, cache_step=step)
     next_token = sample(_logits(model, hidden), temperature, top_k, top_p)
     next_token = torch.where(finished, eos_id, next_token)
     return next_token, finished | (next_token == eos_id)
 
 
-_compiled_decode = None
+_compiled_decode: dict = {}   # torch.compile's dynamic -> the compiled decode_one_token
 
 
-def compiled_decode_one_token():
+def compiled_decode_one_token(dynamic: Optional[bool] = None):
     """decode_one_token under torch.compile with CUDA graphs (compiled once per process, per shape)."""
-    global _compiled_decode
-    if _compiled_decode is None:
+    if dynamic not in _compiled_decode:
         import os
         from .config import cache_dir
         # kept across runs, as for the scorer (fastppl.accel.compile)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
         os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
-        _compiled_decode = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
-    return _compiled_decode
+        _compiled_decode[dynamic] = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True,
+                                                  dynamic=dynamic)
+    return _compiled_decode[dynamic]
 
 
 @dataclass
@@ -178,9 +244,11 @@ def _synchronize(device: torch.device) -> None:
 def generate(
     model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
     eos_id: Optional[int] = None, compile: Optional[bool] = None, stop_check_every: int = 16,
+    decode: Optional[DecodeOptions] = None,
 ) -> Generation:
     """New tokens for each prompt (token id lists, each non-empty), at most max_new_tokens, stopping a row
-    at eos_id. The model stays on its device; compile defaults to on for CUDA, off otherwise."""
+    at eos_id. The model stays on its device; compile defaults to on for CUDA, off otherwise; decode
+    defaults to DecodeOptions.from_env()."""
     if not supports_kv_cache(model):
         raise FastpplError(f"{type(model).__name__} has no KV cache support; generate needs a native model "
                            "(--backend native)")
@@ -190,6 +258,7 @@ def generate(
         raise FastpplError("every prompt needs at least one token")
     device = next(model.parameters()).device
     compile = device.type == "cuda" if compile is None else compile
+    decode = DecodeOptions.from_env() if decode is None else decode
     P = max(len(p) for p in prompts)
     if P + max_new_tokens - 1 > model.max_positions:
         raise FastpplError(f"the longest prompt ({P} tokens) + --max-new-tokens {max_new_tokens} exceed the "
@@ -213,7 +282,7 @@ def generate(
     _synchronize(device)
     time_to_first_token = time.perf_counter() - started
 
-    step_fn = compiled_decode_one_token() if compile else decode_one_token
+    step_fn = compiled_decode_one_token(decode.dynamic) if compile else decode_one_token
     warmup_steps = min(2, max_new_tokens - 1) if compile else 0   # compile + CUDA graph capture
     input_pos = torch.tensor([P], dtype=torch.int64, device=device)
     steps, warmup_seconds = 0, 0.0
@@ -221,8 +290,10 @@ def generate(
     while steps < max_new_tokens - 1:
         if compile and device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
-        token, finished = step_fn(model, token[:, None], input_pos, pad, finished, cache_len, eos,
-                                  sampling.temperature, sampling.top_k, sampling.top_p)
+        token, finished = step_fn(model, token[:, None], input_pos, pad, finished,
+                                  decode.attend_len(P + steps, cache_len), eos, sampling.temperature,
+                                  sampling.top_k, sampling.top_p, decode.attention, decode.additive_mask,
+                                  decode.cache_write)
         token, finished = token.clone(), finished.clone()   # a graph's outputs are overwritten by its next replay
         input_pos += 1
         outputs.append(token)

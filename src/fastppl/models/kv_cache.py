@@ -9,7 +9,7 @@ The model's forward is the same with and without a cache. Given a cache_step, ea
 writes the keys and values of the T new tokens into the slots named by `cache_step.slots`, then its
 queries attend to all L slots under `cache_step.mask`. Which slot holds which token, and who may see it, is the
 caller's business (generation: slot = step; cached sliding windows: a ring buffer), so the cache is
-nothing but two tensors and a scatter. Shapes never change, which is what CUDA graphs need.
+nothing but two tensors and an indexed write. Shapes never change, which is what CUDA graphs need.
 """
 from __future__ import annotations
 
@@ -23,12 +23,18 @@ import torch.nn as nn
 @dataclass
 class CacheStep:
     """What a cached forward of T new tokens needs, for every layer alike."""
-    slots: torch.Tensor            # (B, T) int64: the cache slot each new token's key and value go to
-    mask: torch.Tensor             # (B, 1, T, L) bool: True where the query may attend to the slot
+    # (B, T) int64: the cache slot each new token's key and value go to; or (T,) when every row writes the
+    # same slots (generation), which index_copy_ writes without a (B, nkv, T, hs) index
+    slots: torch.Tensor
+    # (B, 1, T, L') bool, True where the query may attend to the slot; or additive float (0 or -inf) in the
+    # queries' dtype. Attention reads the first L' <= L slots only, so a decode step early in a long cache
+    # can skip the slots no token has reached yet.
+    mask: torch.Tensor
     # rotary models only. None: keys are cached rotated at their own positions (generation).
     # Set: keys are cached unrotated and rotated on every read by these cos, sin (B, L, hs), so that a
     # slot's position can change from step to step (cached sliding windows use window-relative positions).
     key_rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    attention: str = "sdpa"        # how masked_attention computes (fastppl.models.attention.MASKED_ATTENTION)
 
 
 class KVCache(nn.Module):
@@ -42,10 +48,16 @@ class KVCache(nn.Module):
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     def update(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (B, nkv, T, hs) into slots (B, T); return the whole cache (B, nkv, L, hs) twice."""
-        index = slots[:, None, :, None].expand_as(k)
-        self.k.scatter_(2, index, k)
-        self.v.scatter_(2, index, v)
+        """Write k, v (B, nkv, T, hs) into slots (B, T) or (T,); return the whole cache (B, nkv, L, hs) twice."""
+        if slots.dim() == 1:
+            self.k.index_copy_(2, slots, k)
+            self.v.index_copy_(2, slots, v)
+            return self.k, self.v
+        # an index_put_, not a scatter_ with an expanded index: Inductor writes the first in place, but turns
+        # the second into a copy of the whole cache and a copy back
+        rows = torch.arange(k.shape[0], device=slots.device)[:, None]             # (B, 1)
+        self.k[rows, :, slots] = k.transpose(1, 2)                                 # (B, T, nkv, hs)
+        self.v[rows, :, slots] = v.transpose(1, 2)
         return self.k, self.v
 
     def reset(self) -> None:
