@@ -57,6 +57,18 @@ def test_disagreeing_nll_is_reported_and_fails(capsys):
     assert "DISAGREE" in format_docs_table(report)
 
 
+def test_per_position_ratio_counts_the_context_that_windows_re_read():
+    # packed: 12 positions read in 2 s for 10 tokens; dense: 10 positions in 1 s
+    results = [ModeResult(name, seconds, 100.0, 0.0, 1, None, "", positions) for name, seconds, positions in
+               (("packed", 2.0, 12), ("bucketed", 1.0, 12), ("padded", 1.0, 12), ("baseline", 1.0, 12),
+                ("dense", 1.0, 10))]
+    report = docs_report(results, 10, device=torch.device("cpu"), dtype=torch.float32, model="random:gpt2-tiny",
+                         documents=2, ctx=8, batch_size=1, loss="chunked", compile="off")
+    assert report["packed_over_dense"] == pytest.approx(0.5)
+    assert report["packed_over_dense_per_position"] == pytest.approx(0.6)
+    assert "per position read: packed / dense 60.0 %" in format_docs_table(report)
+
+
 def test_dense_only_options_are_refused(capsys):
     assert main(["bench", "--corpus", "docs", "--peers", "fastppl", "--device", "cpu"]) == 2
     assert "fastppl: error: --peers and --variants" in capsys.readouterr().err

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Optional, Sequence
 
@@ -300,18 +299,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
 
 
-def entry() -> None:
-    """The console command: main(), then, once a CUDA context exists, exit without the interpreter's
-    teardown (destroying the context and freeing its memory takes a measurable share of a short run).
-    Every output file is written and closed by then, and stdout/stderr are flushed here."""
-    rc = main()
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(rc)
-    sys.exit(rc)
-
-
 if __name__ == "__main__":
-    entry()
+    sys.exit(main())
