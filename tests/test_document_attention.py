@@ -192,6 +192,8 @@ def test_varlen_adapter_refuses_an_unknown_signature():
 
 
 def test_cpu_dispatch_takes_the_sdpa_mask_and_spans_change_nothing():
+    """Plumbing: on the CPU spans and bare ids take the same mask path (cu_seqlens are checked against a
+    brute force and a stand-in kernel above; the kernel itself in the GPU tests below)."""
     generator = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(3, 4, 40, 16, generator=generator) for _ in range(3))
     assert torch.equal(causal_attention(q, k, v, _spans(DOCUMENT_IDS)), causal_attention(q, k, v, DOCUMENT_IDS))
@@ -203,6 +205,7 @@ def test_cpu_dispatch_takes_the_sdpa_mask_and_spans_change_nothing():
 
 @torch.inference_mode()
 def test_packed_nll_is_identical_with_spans_and_with_bare_ids():
+    """Plumbing: the scorer passes DocumentSpans through to the model unchanged (CPU: the same mask path)."""
     from fastppl.engine.score import make_score_fn
     model = random_gpt2("gpt2-tiny").eval()
     generator = np.random.default_rng(6)

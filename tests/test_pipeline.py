@@ -187,3 +187,14 @@ def test_summary_on_stdout(tmp_path, tokenizer_dir, text_path, capsys):
                  "--ctx", "64", "--device", "cpu", "--quiet"]) == 0
     out, err = capsys.readouterr()
     assert "perplexity" in out and "bits/byte" in out and err == ""
+
+
+def test_auto_batch_size_keeps_a_balanced_batch_only_where_it_runs_fewer_rows(tokenizer_dir, text_path):
+    from fastppl.accel.batch_size import balanced_batch_size
+    auto = _run(tokenizer_dir, [text_path], batch_size="auto")
+    fixed = _run(tokenizer_dir, [text_path], batch_size=8)   # the CPU's memory bound for auto
+    n = auto["windows"]
+    assert n > 8 and n % 8   # a ragged last batch at 8 rows
+    expected = balanced_batch_size(8, n)
+    assert expected < 8 and auto["batch_size"] == expected
+    assert auto["nll_sum"] == pytest.approx(fixed["nll_sum"], rel=1e-9)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from . import __version__
-from .accel.batch_size import auto_batch_size
+from .accel.batch_size import auto_batch_size, balanced_batch_size
 from .accel.compile import allow_shapes, compile_score_fn, model_family, use_compile
 from .accel.fused_mlp import fuse_mlp_epilogue
 from .accel.warm_up import start_cuda_warm_up
@@ -34,7 +34,7 @@ from .engine.score import DeviceSums, make_score_fn, score_batches, score_plans
 from .errors import FastpplError
 from .metrics import lm_eval_word_count, per_unit_metrics
 from .models import load_model
-from .models.attention import document_attention_backend, varlen_available
+from .models.attention import document_attention_backend, varlen_available, varlen_failure
 from .progress import Progress
 from .resume import KILL_AFTER_BATCHES_ENV, Checkpointer, data_sha256, model_files, run_fingerprint
 
@@ -189,7 +189,8 @@ def evaluate(config: EvalConfig) -> dict:
     # Packed rows run eager (below), so auto packs only runs that would not compile anyway.
     batching, batching_reason = resolve_batching(config.batching, len(scored_documents), takes_document_ids(model),
                                                  varlen_available(device, dtype) and not compiled)
-    if config.batching == "auto" and batching == "bucketed" and compiled:
+    if (config.batching == "auto" and batching == "bucketed" and compiled and takes_document_ids(model)
+            and varlen_available(device, dtype)):
         batching_reason = "bucketed (auto: several documents; this run compiles, and packed rows run eager)"
     window_lengths = np.array([r.window.length for r in refs], dtype=np.int64)
     if compiled and batching == "packed" and device.type == "cuda":
@@ -221,8 +222,13 @@ def evaluate(config: EvalConfig) -> dict:
             batch_size = dist.min_over_ranks(batch_size)
     else:
         batch_size = min(config.batch_size, len(refs))
-    timings["choose_batch_size"] = time.perf_counter() - mark
     plans = plan_batches(window_lengths, batching, ctx, batch_size)
+    if config.batch_size == "auto":
+        balanced = balanced_batch_size(batch_size, len(refs))
+        balanced_plans = plan_batches(window_lengths, batching, ctx, balanced) if balanced < batch_size else plans
+        if sum(p.n_rows * p.seq_len for p in balanced_plans) < sum(p.n_rows * p.seq_len for p in plans):
+            batch_size, plans = balanced, balanced_plans   # fewer padding rows in the last batch
+    timings["choose_batch_size"] = time.perf_counter() - mark
     if compiled:
         allow_shapes(len({(p.n_rows, p.seq_len) for p in plans}))
     # each rank scores its share of the batches; the batches are those of one process
@@ -325,6 +331,7 @@ def evaluate(config: EvalConfig) -> dict:
         # the kernel that kept packed documents apart: varlen, flex or sdpa-mask (after any fallback)
         "document_attention": document_attention_backend(device, dtype) if batching == "packed" and not use_kv_cache
                               else None,
+        "document_attention_fallback": varlen_failure(),   # why varlen gave way to FlexAttention, if it did
         "padding_waste": None if use_kv_cache else padding_waste(plans, window_lengths),
         "ctx": ctx,
         "stride": (config.stride or max(ctx // 2, 1)) if config.window == "sliding" else None,

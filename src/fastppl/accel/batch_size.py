@@ -28,14 +28,13 @@ def auto_batch_size(
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     rows = int(headroom * free / per_row)
     rows = max(1, min(rows, MAX_AUTO_BATCH, n_windows))
-    rows = rows if rows < 8 else rows - rows % 8
-    return balanced_batch_size(rows, n_windows)
+    return rows if rows < 8 else rows - rows % 8
 
 
 def balanced_batch_size(rows: int, n_windows: int) -> int:
-    """The smallest batch (a multiple of 8 from 8 rows on) that needs no more batches than `rows` does: a
-    last batch padded to the full shape would otherwise run padding rows (330 windows at 256 rows ran 512;
-    at 168 they run 336)."""
+    """The smallest batch (a multiple of 8 from 8 rows on) that needs no more batches of one window per row
+    than `rows` does: a last batch padded to the full shape would otherwise run padding rows (330 windows at
+    256 rows ran 512; at 168 they run 336). Callers keep it only where their plans then run fewer slots."""
     n_batches = -(-n_windows // rows)
     balanced = -(-n_windows // n_batches)
     if balanced >= 8:

@@ -17,9 +17,13 @@ def _warm_up(device: torch.device) -> None:
 
 
 def start_cuda_warm_up(device: torch.device) -> threading.Thread | None:
-    """A started daemon thread on CUDA (callers need not join it: CUDA's lazy init is locked), else None."""
+    """A started thread on CUDA (callers need not join it: CUDA's lazy init is locked), else None."""
     if device.type != "cuda":
         return None
-    thread = threading.Thread(target=_warm_up, args=(device,), name="fastppl-cuda-warm-up", daemon=True)
+    if device.index is None and torch.cuda.is_initialized():
+        # "cuda" means the caller's current device, which is per thread (before init it is device 0)
+        device = torch.device("cuda", torch.cuda.current_device())
+    # not a daemon: an early error exit must not tear the interpreter down mid-way through a CUDA call
+    thread = threading.Thread(target=_warm_up, args=(device,), name="fastppl-cuda-warm-up")
     thread.start()
     return thread

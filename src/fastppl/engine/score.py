@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from ..data.batching import Batch
+from ..errors import is_out_of_memory
 from ..models.attention import DocumentIds, DocumentSpans
 from .loss import chunked_token_nll, token_nll_fn
 
@@ -138,10 +139,6 @@ def score_batches(
     return sums
 
 
-def _is_out_of_memory(error: BaseException) -> bool:
-    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
-
-
 def score_plans(
     score_fn: ScoreFn, plans: Sequence, build: Callable[[object], Batch], sums: DeviceSums, device: torch.device,
     on_batch: Optional[Callable[[Batch], None]] = None,
@@ -162,7 +159,7 @@ def score_plans(
         try:
             score_batches(score_fn, [build(plan)], sums, device, on_batch)
         except RuntimeError as error:
-            if split is None or not _is_out_of_memory(error) or plan.n_rows == 1:
+            if split is None or not is_out_of_memory(error) or plan.n_rows == 1:
                 raise
             del error
             if device.type == "cuda":

@@ -23,6 +23,8 @@ from typing import Callable, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from ..errors import is_out_of_memory
+
 
 @dataclass(frozen=True)
 class DocumentSpans:
@@ -52,7 +54,7 @@ def causal_attention(
             try:
                 return varlen_document_attention(q, k, v, document_ids, _varlen_attn_fn())
             except Exception as error:   # noqa: BLE001: any kernel failure falls back, once and for good
-                if _is_out_of_memory(error):
+                if is_out_of_memory(error):
                     raise   # the scorer's back-off halves the batch; FlexAttention would need more memory
                 _varlen_failed(error)
     if q.device.type == "cuda":
@@ -68,10 +70,6 @@ def causal_attention(
 
 # The first error varlen_attn raised, as one line; once set, FlexAttention serves every packed batch.
 _varlen_failure: list[str] = []
-
-
-def _is_out_of_memory(error: BaseException) -> bool:
-    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
 def _varlen_failed(error: BaseException) -> None:
