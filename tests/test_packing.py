@@ -103,6 +103,9 @@ def test_resolve_batching():
     assert resolve_batching("auto", 5, True)[0] == "bucketed"   # measured faster than packed on the H200
     # with variable-length flash attention packed rows run at (almost) dense speed without padding
     assert resolve_batching("auto", 5, True, varlen=True)[0] == "packed"
+    mode, why = resolve_batching("auto", 5, True, varlen=True, compiles=True)   # packed rows would run eager
+    assert mode == "bucketed" and "compiles" in why
+    assert "compiles" not in resolve_batching("auto", 5, False, varlen=True, compiles=True)[1]
     assert resolve_batching("auto", 1, True, varlen=True)[0] == "padded"
     assert resolve_batching("auto", 5, False, varlen=True)[0] == "bucketed"   # the model cannot take them
     assert resolve_batching("packed", 5, True)[0] == "packed"

@@ -185,13 +185,9 @@ def evaluate(config: EvalConfig) -> dict:
     elif loss == "fused" and not fused_loss_available(device):
         raise FastpplError("--loss fused needs a CUDA device and Triton; use --loss chunked")
     compiled, compile_reason = use_compile(config.compile, device, n_scored, loss, model_family(model))
-    # refs are in plan order (documents in order, windows in order): the window index of the batch plan.
-    # Packed rows run eager (below), so auto packs only runs that would not compile anyway.
+    # refs are in plan order (documents in order, windows in order): the window index of the batch plan
     batching, batching_reason = resolve_batching(config.batching, len(scored_documents), takes_document_ids(model),
-                                                 varlen_available(device, dtype) and not compiled)
-    if (config.batching == "auto" and batching == "bucketed" and compiled and takes_document_ids(model)
-            and varlen_available(device, dtype)):
-        batching_reason = "bucketed (auto: several documents; this run compiles, and packed rows run eager)"
+                                                 varlen_available(device, dtype), compiled)
     window_lengths = np.array([r.window.length for r in refs], dtype=np.int64)
     if compiled and batching == "packed" and device.type == "cuda":
         # FlexAttention document masks inside the compiled scorer hit an illegal memory access in

@@ -142,10 +142,11 @@ def padding_waste_by_mode(lengths: Sequence[int], ctx: int, batch_size: int) -> 
 
 
 def resolve_batching(setting: str, n_documents: int, takes_document_ids: bool,
-                     varlen: bool = False) -> tuple[str, str]:
+                     varlen: bool = False, compiles: bool = False) -> tuple[str, str]:
     """(mode, why) for --batching auto|packed|bucketed|padded. n_documents: documents with something to score;
     varlen: whether packed rows would run through variable-length flash attention on this device and dtype
-    (fastppl.models.attention.varlen_available).
+    (fastppl.models.attention.varlen_available); compiles: whether the run compiles its scorer, which packed
+    rows would forgo (they run eager), so auto packs only runs that do not compile.
 
     auto: one document -> padded (its windows are full rows but the last, and plain causal attention runs the
     fastest kernels); several -> packed where varlen runs it (a flash kernel over the real tokens only, no
@@ -159,6 +160,8 @@ def resolve_batching(setting: str, n_documents: int, takes_document_ids: bool,
         return setting, f"{setting} (--batching {setting})"
     if n_documents <= 1:
         return "padded", "padded (auto: one document)"
+    if varlen and takes_document_ids and compiles:
+        return "bucketed", "bucketed (auto: several documents; this run compiles, and packed rows run eager)"
     if varlen and takes_document_ids:
         return "packed", "packed (auto: several documents; variable-length flash attention)"
     return "bucketed", "bucketed (auto: several documents; measured faster than packed with FlexAttention)"
