@@ -145,7 +145,8 @@ def test_benchmark_generate_reports_decode_speed():
 
 
 DECODE_VARIANTS = ["cache_write=per_row", "attention=matmul", "attention=reduction", "additive_mask=true", "cache_write=index_copy",
-                   "attend_bucket=8", "attention=reduction,additive_mask=1,cache_write=index_copy,attend_bucket=8"]
+                   "attend_bucket=8", "attention=reduction,additive_mask=1,cache_write=index_copy,attend_bucket=8",
+                   "graph_steps=4"]   # graph_steps: CUDA only (tests/test_gpu.py); eager on the CPU
 
 
 @pytest.mark.parametrize("options", DECODE_VARIANTS)
@@ -168,6 +169,30 @@ def test_decode_options_parse_and_bucket_lengths():
     assert options == DecodeOptions(attention="matmul", attend_bucket=64, dynamic=False)
     assert DecodeOptions.parse("") == DecodeOptions() and DecodeOptions().attend_len(40, 320) == 320
     assert [options.attend_len(pos, 320) for pos in (32, 63, 64, 300)] == [64, 64, 128, 320]
-    for bad in ("attention=flash", "cache_write=put", "attend_bucket=-3", "colour=red", "dynamic=maybe"):
+    assert DecodeOptions.parse("graph_steps=16").graph_steps == 16
+    for bad in ("attention=flash", "cache_write=put", "attend_bucket=-3", "colour=red", "dynamic=maybe",
+                "graph_steps=x", "graph_steps=8,attend_bucket=64"):
         with pytest.raises(FastpplError, match="FASTPPL_DECODE"):
             DecodeOptions.parse(bad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
+@pytest.mark.parametrize("new_tokens", [1, 2, 3, 24, 40])
+def test_decode_steps_captured_in_graphs_give_the_eager_tokens(preset, new_tokens):
+    """fp32, prompts of different lengths: decode steps captured 8 at a time in one CUDA graph (plus the
+    remainder, after the 2 uncaptured warm-up steps) give the eager tokens; rows stop at end-of-text as
+    eagerly; sampling with a seed repeats itself."""
+    model = _model(preset).cuda()
+    prompts = _prompts([9, 2, 5, 13])
+    graphed = DecodeOptions.parse("graph_steps=8")
+    expected = generate(model, prompts, new_tokens, eos_id=None, compile=False).tokens
+    got = generate(model, prompts, new_tokens, eos_id=None, compile=True, decode=graphed)
+    assert got.tokens == expected and got.decode_steps == new_tokens - 1
+    eos = expected[1][min(5, new_tokens - 1)]     # a token that row 1 emits: it stops there
+    stop = generate(model, prompts, new_tokens, eos_id=eos, compile=False).tokens
+    assert generate(model, prompts, new_tokens, eos_id=eos, compile=True, decode=graphed).tokens == stop
+    sampling = Sampling(temperature=1.0, top_k=50, seed=3)
+    first = generate(model, prompts, new_tokens, sampling, eos_id=None, compile=True, decode=graphed).tokens
+    assert generate(model, prompts, new_tokens, sampling, eos_id=None, compile=True, decode=graphed).tokens == first
+    assert all(0 <= t < model.vocab_size for row in first for t in row)

@@ -75,33 +75,38 @@ def test_cache_is_sized_by_the_model_and_not_in_the_state_dict():
     assert model.blocks[0].attn.kv_cache is None
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)   # on CUDA, SDPA's fp32 output is strided differently
 @pytest.mark.parametrize("T", [1, 5])
-def test_grouped_masked_attention_equals_expanded_heads(T):
+def test_grouped_masked_attention_equals_expanded_heads(T, device):
     from fastppl.models.attention import masked_attention
     generator = torch.Generator().manual_seed(T)
-    q = torch.randn(2, 8, T, 16, generator=generator)
-    k, v = (torch.randn(2, 2, 11, 16, generator=generator) for _ in range(2))
-    mask = torch.rand(2, 1, T, 11, generator=generator) > 0.4
+    q = torch.randn(2, 8, T, 16, generator=generator).to(device)
+    k, v = (torch.randn(2, 2, 11, 16, generator=generator).to(device) for _ in range(2))
+    mask = torch.rand(2, 1, T, 11, generator=generator).to(device) > 0.4
     mask[..., 0] = True
     expected = torch.nn.functional.scaled_dot_product_attention(
         q, k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1), attn_mask=mask)
     torch.testing.assert_close(masked_attention(q, k, v, mask), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kernel", ["sdpa", "matmul", "reduction"])
 @pytest.mark.parametrize("nkv", [8, 2])
-def test_masked_attention_kernels_masks_and_truncation_agree(kernel, nkv):
+def test_masked_attention_kernels_masks_and_truncation_agree(kernel, nkv, device):
     """Every kernel, with a bool or an additive mask, over the whole cache or only its first L' slots
     (the slots past L' hidden), equals SDPA with the bool mask over all slots."""
     from fastppl.models.attention import masked_attention
     generator = torch.Generator().manual_seed(nkv)
-    q = torch.randn(3, 8, 1, 16, generator=generator)
-    k, v = (torch.randn(3, nkv, 12, 16, generator=generator) for _ in range(2))
-    mask = torch.rand(3, 1, 1, 7, generator=generator) > 0.4
+    q = torch.randn(3, 8, 1, 16, generator=generator).to(device)
+    k, v = (torch.randn(3, nkv, 12, 16, generator=generator).to(device) for _ in range(2))
+    mask = torch.rand(3, 1, 1, 7, generator=generator).to(device) > 0.4
     mask[..., 0] = True
-    full = torch.cat([mask, torch.zeros(3, 1, 1, 5, dtype=torch.bool)], dim=-1)          # (B, 1, 1, 12)
+    full = torch.cat([mask, torch.zeros(3, 1, 1, 5, dtype=torch.bool, device=device)], dim=-1)   # (B, 1, 1, 12)
     expected = masked_attention(q, k, v, full)
-    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    additive = torch.zeros(mask.shape, device=device).masked_fill(~mask, float("-inf"))
     for m in (full, mask, additive):
         torch.testing.assert_close(masked_attention(q, k, v, m, kernel), expected, rtol=1e-5, atol=1e-6)
 

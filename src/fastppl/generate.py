@@ -13,7 +13,8 @@ A padding query attends to itself only (never to nothing, which would make NaN t
 the real rows' attention through 0 * NaN).
 
 On CUDA, decode_one_token is compiled with mode="reduce-overhead" (CUDA graphs): one graph replay per
-token. On the CPU everything runs eagerly.
+token; or, with DecodeOptions.graph_steps, compiled plainly and captured several steps to a graph, so
+that the host launches one replay per group of tokens. On the CPU everything runs eagerly.
 """
 from __future__ import annotations
 
@@ -47,6 +48,9 @@ class DecodeOptions:
     # to all of them (one compiled shape per bucket; 0 = always the whole cache)
     attend_bucket: int = 0
     dynamic: Optional[bool] = None   # torch.compile's dynamic; False compiles every batch size and bucket apart
+    # > 0 (CUDA, compiled): that many decode steps captured as one CUDA graph and replayed together, the step
+    # compiled without Inductor's own per-step graphs; 0: one graph replay per step (mode="reduce-overhead")
+    graph_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.attention not in MASKED_ATTENTION:
@@ -56,6 +60,10 @@ class DecodeOptions:
             raise FastpplError(f"{DECODE_ENV}: cache_write must be index_copy or per_row, got {self.cache_write!r}")
         if self.attend_bucket < 0:
             raise FastpplError(f"{DECODE_ENV}: attend_bucket must be >= 0, got {self.attend_bucket}")
+        if self.graph_steps < 0:
+            raise FastpplError(f"{DECODE_ENV}: graph_steps must be >= 0, got {self.graph_steps}")
+        if self.graph_steps and self.attend_bucket:   # a captured step's attend length cannot change
+            raise FastpplError(f"{DECODE_ENV}: graph_steps and attend_bucket cannot be combined; set one to 0")
 
     @classmethod
     def parse(cls, text: str) -> "DecodeOptions":
@@ -66,9 +74,9 @@ class DecodeOptions:
             key, value = key.strip(), value.strip()
             if key in ("attention", "cache_write"):
                 fields[key] = value
-            elif key == "attend_bucket":
+            elif key in ("attend_bucket", "graph_steps"):
                 if not value.isdigit():
-                    raise FastpplError(f"{DECODE_ENV}: attend_bucket must be an integer >= 0, got {value!r}")
+                    raise FastpplError(f"{DECODE_ENV}: {key} must be an integer >= 0, got {value!r}")
                 fields[key] = int(value)
             elif key in ("additive_mask", "dynamic"):
                 if value.lower() not in ("0", "1", "true", "false", "none"):
@@ -76,7 +84,7 @@ class DecodeOptions:
                 fields[key] = None if value.lower() == "none" else value.lower() in ("1", "true")
             else:
                 raise FastpplError(f"{DECODE_ENV}: unknown option {key!r}; use attention, additive_mask, "
-                                   "cache_write, attend_bucket, dynamic")
+                                   "cache_write, attend_bucket, dynamic, graph_steps")
         return cls(**fields)
 
     @classmethod
@@ -190,20 +198,23 @@ def decode_one_token(
     return next_token, finished | (next_token == eos_id)
 
 
-_compiled_decode: dict = {}   # torch.compile's dynamic -> the compiled decode_one_token
+_compiled_decode: dict = {}   # (torch.compile's dynamic, per-step CUDA graphs) -> the compiled decode_one_token
 
 
-def compiled_decode_one_token(dynamic: Optional[bool] = None):
-    """decode_one_token under torch.compile with CUDA graphs (compiled once per process, per shape)."""
-    if dynamic not in _compiled_decode:
+def compiled_decode_one_token(dynamic: Optional[bool] = None, cuda_graphs: bool = True):
+    """decode_one_token under torch.compile (compiled once per process, per shape); cuda_graphs: with
+    Inductor's CUDA graphs, one per step (mode="reduce-overhead"); without, for a caller that captures
+    several steps into one graph itself."""
+    key = (dynamic, cuda_graphs)
+    if key not in _compiled_decode:
         import os
         from .config import cache_dir
         # kept across runs, as for the scorer (fastppl.accel.compile)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
         os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
-        _compiled_decode[dynamic] = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True,
-                                                  dynamic=dynamic)
-    return _compiled_decode[dynamic]
+        _compiled_decode[key] = torch.compile(decode_one_token, mode="reduce-overhead" if cuda_graphs else None,
+                                              fullgraph=True, dynamic=dynamic)
+    return _compiled_decode[key]
 
 
 @dataclass
@@ -278,36 +289,27 @@ def generate(
     pad = torch.from_numpy(pad_np).to(device)
     token = prefill(model, ids, pad, cache_len, sampling)
     finished = token == eos
-    outputs = [token]
     _synchronize(device)
     time_to_first_token = time.perf_counter() - started
 
-    step_fn = compiled_decode_one_token(decode.dynamic) if compile else decode_one_token
-    warmup_steps = min(2, max_new_tokens - 1) if compile else 0   # compile + CUDA graph capture
     input_pos = torch.tensor([P], dtype=torch.int64, device=device)
-    steps, warmup_seconds = 0, 0.0
-    decode_started = time.perf_counter()
-    while steps < max_new_tokens - 1:
-        if compile and device.type == "cuda":
-            torch.compiler.cudagraph_mark_step_begin()
-        token, finished = step_fn(model, token[:, None], input_pos, pad, finished,
-                                  decode.attend_len(P + steps, cache_len), eos, sampling.temperature,
-                                  sampling.top_k, sampling.top_p, decode.attention, decode.additive_mask,
-                                  decode.cache_write)
-        token, finished = token.clone(), finished.clone()   # a graph's outputs are overwritten by its next replay
-        input_pos += 1
-        outputs.append(token)
-        steps += 1
-        if steps == warmup_steps:
-            _synchronize(device)
-            warmup_seconds = time.perf_counter() - decode_started
-            decode_started = time.perf_counter()
-        if eos != no_eos and steps % stop_check_every == 0 and bool(finished.all()):
-            break
-    _synchronize(device)
-    decode_seconds = time.perf_counter() - decode_started
+    fixed = (eos, sampling.temperature, sampling.top_k, sampling.top_p, decode.attention, decode.additive_mask,
+             decode.cache_write)
+    n_steps = max_new_tokens - 1
+    if compile and device.type == "cuda" and decode.graph_steps > 0:
+        step_fn = compiled_decode_one_token(decode.dynamic, cuda_graphs=False)
+        steps, warmup_steps, warmup_seconds, decode_seconds, blocks = _decode_in_graphs(
+            step_fn, model, token, finished, input_pos, pad, cache_len, fixed, n_steps, decode.graph_steps,
+            check_stop=eos != no_eos)
+    else:
+        step_fn = compiled_decode_one_token(decode.dynamic) if compile else decode_one_token
+        steps, warmup_steps, warmup_seconds, decode_seconds, blocks = _decode_per_step(
+            step_fn, model, token, finished, input_pos, pad, P, cache_len, decode, fixed, n_steps,
+            warmup_steps=min(2, n_steps) if compile else 0, graphs=compile and device.type == "cuda",
+            check_stop=eos != no_eos, stop_check_every=stop_check_every)
+    outputs = [token[:, None]] + blocks
 
-    new_tokens = torch.stack(outputs, dim=1).cpu().tolist()                   # (B, steps + 1)
+    new_tokens = torch.cat(outputs, dim=1).cpu().tolist()                     # (B, steps + 1)
     tokens, stopped = [], []
     for row in new_tokens:
         if eos in row:
@@ -316,9 +318,88 @@ def generate(
         stopped.append(eos != no_eos and row[-1] == eos)
     return Generation(
         tokens=tokens, prompt_lengths=[len(p) for p in prompts], time_to_first_token=time_to_first_token,
-        decode_steps=steps, decode_seconds=decode_seconds, decode_warmup_steps=min(warmup_steps, steps),
+        decode_steps=steps, decode_seconds=decode_seconds, decode_warmup_steps=warmup_steps,
         decode_warmup_seconds=warmup_seconds, compiled=compile, finished=stopped,
     )
+
+
+def _decode_per_step(step_fn, model, token, finished, input_pos, pad, P, cache_len, decode, fixed, n_steps,
+                     warmup_steps, graphs, check_stop, stop_check_every):
+    """One step_fn call per token (with graphs: one CUDA graph replay each). Returns steps run, warm-up steps,
+    warm-up seconds, timed seconds and the (B, 1) new tokens of each step."""
+    device = token.device
+    blocks, steps, warmup_seconds = [], 0, 0.0
+    decode_started = time.perf_counter()
+    while steps < n_steps:
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        token, finished = step_fn(model, token[:, None], input_pos, pad, finished,
+                                  decode.attend_len(P + steps, cache_len), *fixed)
+        token, finished = token.clone(), finished.clone()   # a graph's outputs are overwritten by its next replay
+        input_pos += 1
+        blocks.append(token[:, None])
+        steps += 1
+        if steps == warmup_steps:
+            _synchronize(device)
+            warmup_seconds = time.perf_counter() - decode_started
+            decode_started = time.perf_counter()
+        if check_stop and steps % stop_check_every == 0 and bool(finished.all()):
+            break
+    _synchronize(device)
+    return steps, min(warmup_steps, steps), warmup_seconds, time.perf_counter() - decode_started, blocks
+
+
+def _decode_in_graphs(step_fn, model, token, finished, input_pos, pad, cache_len, fixed, n_steps, group,
+                      check_stop):
+    """group steps at a time, captured as one CUDA graph (and the remainder as another) and replayed, so that
+    the host launches one graph per group instead of one per token, and copies no inputs in between.
+    The first two steps run uncaptured on a side stream (compilation, cuBLAS's choices), as capture needs;
+    a stop at end-of-text is checked after each replay. Returns what _decode_per_step returns, the new
+    tokens in (B, group) blocks."""
+    device = token.device
+    B = token.shape[0]
+    token_in = token[:, None].clone()                          # (B, 1): the graphs' static inputs and outputs
+    finished_in = finished.clone()
+    out = torch.empty((B, group), dtype=torch.int64, device=device)
+
+    def run(i: int) -> None:
+        next_token, now_finished = step_fn(model, token_in, input_pos, pad, finished_in, cache_len, *fixed)
+        out[:, i].copy_(next_token)
+        token_in.copy_(next_token[:, None])
+        finished_in.copy_(now_finished)
+        input_pos.add_(1)
+
+    started = time.perf_counter()
+    warmup_steps = min(2, n_steps)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for i in range(warmup_steps):
+            run(i)
+    torch.cuda.current_stream(device).wait_stream(side)
+    blocks = [out[:, :warmup_steps].clone()] if warmup_steps else []
+    full, remainder = divmod(n_steps - warmup_steps, group)
+    graphs, pool = {}, None
+    for length in (group,) * (full > 0) + (remainder,) * (remainder > 0):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):               # records, runs nothing
+            for i in range(length):
+                run(i)
+        pool = graph.pool()
+        graphs[length] = graph
+    _synchronize(device)
+    warmup_seconds = time.perf_counter() - started
+
+    started = time.perf_counter()
+    steps = warmup_steps
+    for length in [group] * full + [remainder] * (remainder > 0):
+        if check_stop and bool(finished_in.all()):
+            break
+        graphs[length].replay()
+        blocks.append(out[:, :length].clone())
+        steps += length
+    _synchronize(device)
+    return steps, warmup_steps, warmup_seconds, time.perf_counter() - started, blocks
 
 
 def benchmark_generate(model: nn.Module, batch_size: int = 1, prompt_length: int = 16, new_tokens: int = 256,

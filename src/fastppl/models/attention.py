@@ -192,7 +192,7 @@ def masked_attention(
         y = (probs[..., None] * v.float()[:, :, None]).sum(-2).to(q.dtype)     # (B, nkv, g*T, hs)
     else:
         raise ValueError(f"unknown masked attention kernel {kernel!r}; use one of {MASKED_ATTENTION}")
-    return y.view(B, nh, T, hs)
+    return y.reshape(B, nh, T, hs)   # not view: SDPA's fp32 output can be strided (B, g*T, nkv, hs)
 
 
 def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
