@@ -379,8 +379,9 @@ def _decode_in_graphs(step_fn, model, token, finished, input_pos, pad, cache_len
     torch.cuda.current_stream(device).wait_stream(side)
     blocks = [out[:, :warmup_steps].clone()] if warmup_steps else []
     full, remainder = divmod(n_steps - warmup_steps, group)
+    replays = [group] * full + [remainder] * (remainder > 0)   # the steps of each replay, in order
     graphs, pool = {}, None
-    for length in (group,) * (full > 0) + (remainder,) * (remainder > 0):
+    for length in dict.fromkeys(replays):                      # each length captured once
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):               # records, runs nothing
             for i in range(length):
@@ -392,7 +393,7 @@ def _decode_in_graphs(step_fn, model, token, finished, input_pos, pad, cache_len
 
     started = time.perf_counter()
     steps = warmup_steps
-    for length in [group] * full + [remainder] * (remainder > 0):
+    for length in replays:
         if check_stop and bool(finished_in.all()):
             break
         graphs[length].replay()
