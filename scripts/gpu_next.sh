@@ -1,4 +1,6 @@
 #!/bin/bash
+# A record of the call as run: the Triton attention (its test file and "triton attention" variant) was measured
+# slower there and removed afterwards, so steps 0 and that variant no longer find anything to run.
 # Session 4's first GPU call (~9.5 min): the Triton decode attention checked, then what session 3 could not run.
 # 0. GPU tests of the Triton decode-step attention (tests/test_decode_attention.py).
 # 1. bench --generate: the same-run transformers ratios of the index_copy_ decode step (issue #5).
