@@ -1,4 +1,6 @@
-"""Why is the compiled decode step launch-bound? Counts kernels per step and time per step (H200)."""
+"""Why is the compiled decode step launch-bound? Counts kernels per step and time per step (H200).
+PROBE_BATCH (1) sets the batch (the same 32-token prompt in every row); FASTPPL_DECODE the decode options."""
+import os
 import time
 
 import torch
@@ -8,7 +10,7 @@ from fastppl.models.loading import random_native
 
 dev = torch.device("cuda")
 model = random_native("gpt2", 0, dev).to(torch.bfloat16).eval()
-prompt = [list(range(1000, 1032))]
+prompt = [list(range(1000, 1032))] * int(os.environ.get("PROBE_BATCH", 1))
 g = generate(model, prompt, 64, Sampling(), eos_id=None, compile=True)          # compile + capture
 g = generate(model, prompt, 256, Sampling(), eos_id=None, compile=True)
 print(f"decode {g.decode_tokens_per_second:,.0f} tok/s, {1e3 * g.decode_seconds / (g.decode_steps - g.decode_warmup_steps):.3f} ms/step")

@@ -146,7 +146,7 @@ def test_benchmark_generate_reports_decode_speed():
 
 DECODE_VARIANTS = ["cache_write=per_row", "attention=matmul", "attention=reduction", "additive_mask=true", "cache_write=index_copy",
                    "attend_bucket=8", "attention=reduction,additive_mask=1,cache_write=index_copy,attend_bucket=8",
-                   "graph_steps=4"]   # graph_steps: CUDA only (tests/test_gpu.py); eager on the CPU
+                   "attention=flex", "attention=flex,additive_mask=1,attend_bucket=8"]
 
 
 @pytest.mark.parametrize("options", DECODE_VARIANTS)
@@ -169,9 +169,8 @@ def test_decode_options_parse_and_bucket_lengths():
     assert options == DecodeOptions(attention="matmul", attend_bucket=64, dynamic=False)
     assert DecodeOptions.parse("") == DecodeOptions() and DecodeOptions().attend_len(40, 320) == 320
     assert [options.attend_len(pos, 320) for pos in (32, 63, 64, 300)] == [64, 64, 128, 320]
-    assert DecodeOptions.parse("graph_steps=16").graph_steps == 16
     for bad in ("attention=flash", "cache_write=put", "attend_bucket=-3", "colour=red", "dynamic=maybe",
-                "graph_steps=x", "graph_steps=8,attend_bucket=64"):
+                "attend_bucket=x"):
         with pytest.raises(FastpplError, match="FASTPPL_DECODE"):
             DecodeOptions.parse(bad)
 
@@ -179,13 +178,14 @@ def test_decode_options_parse_and_bucket_lengths():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
 @pytest.mark.parametrize("new_tokens", [1, 2, 3, 24, 40])
-def test_decode_steps_captured_in_graphs_give_the_eager_tokens(preset, new_tokens):
-    """fp32, prompts of different lengths: decode steps captured 8 at a time in one CUDA graph (plus the
-    remainder, after the 2 uncaptured warm-up steps) give the eager tokens; rows stop at end-of-text as
-    eagerly; sampling with a seed repeats itself."""
+@pytest.mark.parametrize("options", ["", "attention=flex"])
+def test_compiled_decode_in_cuda_graphs_gives_the_eager_tokens(preset, new_tokens, options):
+    """fp32, prompts of different lengths: the compiled decode step (one CUDA graph replay per token, after
+    the 2 warm-up steps) gives the eager tokens; rows stop at end-of-text as eagerly; sampling with a seed
+    repeats itself."""
     model = _model(preset).cuda()
     prompts = _prompts([9, 2, 5, 13])
-    graphed = DecodeOptions.parse("graph_steps=8")
+    graphed = DecodeOptions.parse(options)
     expected = generate(model, prompts, new_tokens, eos_id=None, compile=False).tokens
     got = generate(model, prompts, new_tokens, eos_id=None, compile=True, decode=graphed)
     assert got.tokens == expected and got.decode_steps == new_tokens - 1

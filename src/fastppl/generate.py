@@ -13,8 +13,7 @@ A padding query attends to itself only (never to nothing, which would make NaN t
 the real rows' attention through 0 * NaN).
 
 On CUDA, decode_one_token is compiled with mode="reduce-overhead" (CUDA graphs): one graph replay per
-token; or, with DecodeOptions.graph_steps, compiled plainly and captured several steps to a graph, so
-that the host launches one replay per group of tokens. On the CPU everything runs eagerly.
+token. On the CPU everything runs eagerly.
 """
 from __future__ import annotations
 
@@ -48,9 +47,6 @@ class DecodeOptions:
     # to all of them (one compiled shape per bucket; 0 = always the whole cache)
     attend_bucket: int = 0
     dynamic: Optional[bool] = None   # torch.compile's dynamic; False compiles every batch size and bucket apart
-    # > 0 (CUDA, compiled): that many decode steps captured as one CUDA graph and replayed together, the step
-    # compiled without Inductor's own per-step graphs; 0: one graph replay per step (mode="reduce-overhead")
-    graph_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.attention not in MASKED_ATTENTION:
@@ -60,10 +56,6 @@ class DecodeOptions:
             raise FastpplError(f"{DECODE_ENV}: cache_write must be index_copy or per_row, got {self.cache_write!r}")
         if self.attend_bucket < 0:
             raise FastpplError(f"{DECODE_ENV}: attend_bucket must be >= 0, got {self.attend_bucket}")
-        if self.graph_steps < 0:
-            raise FastpplError(f"{DECODE_ENV}: graph_steps must be >= 0, got {self.graph_steps}")
-        if self.graph_steps and self.attend_bucket:   # a captured step's attend length cannot change
-            raise FastpplError(f"{DECODE_ENV}: graph_steps and attend_bucket cannot be combined; set one to 0")
 
     @classmethod
     def parse(cls, text: str) -> "DecodeOptions":
@@ -74,7 +66,7 @@ class DecodeOptions:
             key, value = key.strip(), value.strip()
             if key in ("attention", "cache_write"):
                 fields[key] = value
-            elif key in ("attend_bucket", "graph_steps"):
+            elif key == "attend_bucket":
                 if not value.isdigit():
                     raise FastpplError(f"{DECODE_ENV}: {key} must be an integer >= 0, got {value!r}")
                 fields[key] = int(value)
@@ -84,7 +76,7 @@ class DecodeOptions:
                 fields[key] = None if value.lower() == "none" else value.lower() in ("1", "true")
             else:
                 raise FastpplError(f"{DECODE_ENV}: unknown option {key!r}; use attention, additive_mask, "
-                                   "cache_write, attend_bucket, dynamic, graph_steps")
+                                   "cache_write, attend_bucket, dynamic")
         return cls(**fields)
 
     @classmethod
@@ -198,22 +190,21 @@ def decode_one_token(
     return next_token, finished | (next_token == eos_id)
 
 
-_compiled_decode: dict = {}   # (torch.compile's dynamic, per-step CUDA graphs) -> the compiled decode_one_token
+_compiled_decode: dict = {}   # torch.compile's dynamic -> the compiled decode_one_token
 
 
-def compiled_decode_one_token(dynamic: Optional[bool] = None, cuda_graphs: bool = True):
-    """decode_one_token under torch.compile (compiled once per process, per shape); cuda_graphs: with
-    Inductor's CUDA graphs, one per step (mode="reduce-overhead"); without, for a caller that captures
-    several steps into one graph itself."""
-    key = (dynamic, cuda_graphs)
+def compiled_decode_one_token(dynamic: Optional[bool] = None):
+    """decode_one_token under torch.compile with Inductor's CUDA graphs (mode="reduce-overhead"), compiled
+    once per process, per shape."""
+    key = dynamic
     if key not in _compiled_decode:
         import os
         from .config import cache_dir
         # kept across runs, as for the scorer (fastppl.accel.compile)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
         os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
-        _compiled_decode[key] = torch.compile(decode_one_token, mode="reduce-overhead" if cuda_graphs else None,
-                                              fullgraph=True, dynamic=dynamic)
+        _compiled_decode[key] = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True,
+                                              dynamic=dynamic)
     return _compiled_decode[key]
 
 
@@ -296,17 +287,11 @@ def generate(
     fixed = (eos, sampling.temperature, sampling.top_k, sampling.top_p, decode.attention, decode.additive_mask,
              decode.cache_write)
     n_steps = max_new_tokens - 1
-    if compile and device.type == "cuda" and decode.graph_steps > 0:
-        step_fn = compiled_decode_one_token(decode.dynamic, cuda_graphs=False)
-        steps, warmup_steps, warmup_seconds, decode_seconds, blocks = _decode_in_graphs(
-            step_fn, model, token, finished, input_pos, pad, cache_len, fixed, n_steps, decode.graph_steps,
-            check_stop=eos != no_eos)
-    else:
-        step_fn = compiled_decode_one_token(decode.dynamic) if compile else decode_one_token
-        steps, warmup_steps, warmup_seconds, decode_seconds, blocks = _decode_per_step(
-            step_fn, model, token, finished, input_pos, pad, P, cache_len, decode, fixed, n_steps,
-            warmup_steps=min(2, n_steps) if compile else 0, graphs=compile and device.type == "cuda",
-            check_stop=eos != no_eos, stop_check_every=stop_check_every)
+    step_fn = compiled_decode_one_token(decode.dynamic) if compile else decode_one_token
+    steps, warmup_steps, warmup_seconds, decode_seconds, blocks = _decode_per_step(
+        step_fn, model, token, finished, input_pos, pad, P, cache_len, decode, fixed, n_steps,
+        warmup_steps=min(2, n_steps) if compile else 0, graphs=compile and device.type == "cuda",
+        check_stop=eos != no_eos, stop_check_every=stop_check_every)
     outputs = [token[:, None]] + blocks
 
     new_tokens = torch.cat(outputs, dim=1).cpu().tolist()                     # (B, steps + 1)
@@ -347,60 +332,6 @@ def _decode_per_step(step_fn, model, token, finished, input_pos, pad, P, cache_l
             break
     _synchronize(device)
     return steps, min(warmup_steps, steps), warmup_seconds, time.perf_counter() - decode_started, blocks
-
-
-def _decode_in_graphs(step_fn, model, token, finished, input_pos, pad, cache_len, fixed, n_steps, group,
-                      check_stop):
-    """group steps at a time, captured as one CUDA graph (and the remainder as another) and replayed, so that
-    the host launches one graph per group instead of one per token, and copies no inputs in between.
-    The first two steps run uncaptured on a side stream (compilation, cuBLAS's choices), as capture needs;
-    a stop at end-of-text is checked after each replay. Returns what _decode_per_step returns, the new
-    tokens in (B, group) blocks."""
-    device = token.device
-    B = token.shape[0]
-    token_in = token[:, None].clone()                          # (B, 1): the graphs' static inputs and outputs
-    finished_in = finished.clone()
-    out = torch.empty((B, group), dtype=torch.int64, device=device)
-
-    def run(i: int) -> None:
-        next_token, now_finished = step_fn(model, token_in, input_pos, pad, finished_in, cache_len, *fixed)
-        out[:, i].copy_(next_token)
-        token_in.copy_(next_token[:, None])
-        finished_in.copy_(now_finished)
-        input_pos.add_(1)
-
-    started = time.perf_counter()
-    warmup_steps = min(2, n_steps)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for i in range(warmup_steps):
-            run(i)
-    torch.cuda.current_stream(device).wait_stream(side)
-    blocks = [out[:, :warmup_steps].clone()] if warmup_steps else []
-    full, remainder = divmod(n_steps - warmup_steps, group)
-    replays = [group] * full + [remainder] * (remainder > 0)   # the steps of each replay, in order
-    graphs, pool = {}, None
-    for length in dict.fromkeys(replays):                      # each length captured once
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):               # records, runs nothing
-            for i in range(length):
-                run(i)
-        pool = graph.pool()
-        graphs[length] = graph
-    _synchronize(device)
-    warmup_seconds = time.perf_counter() - started
-
-    started = time.perf_counter()
-    steps = warmup_steps
-    for length in replays:
-        if check_stop and bool(finished_in.all()):
-            break
-        graphs[length].replay()
-        blocks.append(out[:, :length].clone())
-        steps += length
-    _synchronize(device)
-    return steps, warmup_steps, warmup_seconds, time.perf_counter() - started, blocks
 
 
 def benchmark_generate(model: nn.Module, batch_size: int = 1, prompt_length: int = 16, new_tokens: int = 256,
