@@ -28,7 +28,7 @@ from fastppl.models.loading import random_native
 INDEXED_UPDATE = KVCache.update
 
 
-def scatter_update(self, slots, k, v):
+def scatter_update(self, slots, k, v, stacked=False):
     """The cache write before index_copy_ / index_put_ (scatter_ with an expanded index), for comparison."""
     if slots.dim() == 1:
         slots = slots.expand(k.shape[0], -1)
@@ -54,6 +54,7 @@ VARIANTS = [
     ("additive + bucket 64", "additive_mask=1,attend_bucket=64", {}),
     ("per_row index_put_", "cache_write=per_row", {}),
     ("no cudagraph trees", "", {"triton.cudagraph_trees": False}),
+    ("stacked cache write", "cache_write=stacked", {}),
     ("flex attention", "attention=flex", {}),
     ("flex + bucket 64", "attention=flex,attend_bucket=64", {}),
     ("max_autotune_gemm", "", {"max_autotune_gemm": True}),

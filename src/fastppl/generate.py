@@ -32,6 +32,7 @@ from .models.attention import MASKED_ATTENTION
 from .models.kv_cache import CacheStep, ensure_kv_cache, supports_kv_cache
 
 CACHE_LEN_MULTIPLE = 64   # cache lengths rounded up to this, so that nearby lengths share a compiled graph
+CACHE_WRITES = ("index_copy", "stacked", "per_row")
 DECODE_ENV = "FASTPPL_DECODE"   # e.g. "attention=matmul,cache_write=index_copy,attend_bucket=64"
 
 
@@ -41,7 +42,8 @@ class DecodeOptions:
     The defaults come from the environment variable FASTPPL_DECODE (DecodeOptions.from_env)."""
     attention: str = "sdpa"          # masked_attention's kernel: sdpa, matmul or reduction
     additive_mask: bool = False      # the mask as a float 0 / -inf tensor, built once a step, not bool
-    # index_copy: every row writes the same slot (index_copy_); per_row: each row its own (index_put_)
+    # index_copy: every row writes the same slot (an index_copy_ of keys, another of values); stacked: the same
+    # in one index_copy_ of both; per_row: each row its own (index_put_)
     cache_write: str = "index_copy"
     # > 0: a step attends to the first ceil((input_pos + 1) / attend_bucket) * attend_bucket cache slots, not
     # to all of them (one compiled shape per bucket; 0 = always the whole cache)
@@ -52,8 +54,9 @@ class DecodeOptions:
         if self.attention not in MASKED_ATTENTION:
             raise FastpplError(f"{DECODE_ENV}: attention must be one of {', '.join(MASKED_ATTENTION)}, "
                                f"got {self.attention!r}")
-        if self.cache_write not in ("index_copy", "per_row"):
-            raise FastpplError(f"{DECODE_ENV}: cache_write must be index_copy or per_row, got {self.cache_write!r}")
+        if self.cache_write not in CACHE_WRITES:
+            raise FastpplError(f"{DECODE_ENV}: cache_write must be one of {', '.join(CACHE_WRITES)}, "
+                               f"got {self.cache_write!r}")
         if self.attend_bucket < 0:
             raise FastpplError(f"{DECODE_ENV}: attend_bucket must be >= 0, got {self.attend_bucket}")
 
@@ -182,8 +185,8 @@ def decode_one_token(
     if additive_mask:
         dtype = next(model.parameters()).dtype
         mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -math.inf)
-    slots = input_pos if cache_write == "index_copy" else input_pos.expand(B, 1)   # (1,) or (B, 1)
-    step = CacheStep(slots=slots, mask=mask, attention=attention)
+    slots = input_pos.expand(B, 1) if cache_write == "per_row" else input_pos   # (B, 1) or (1,)
+    step = CacheStep(slots=slots, mask=mask, attention=attention, stacked_write=cache_write == "stacked")
     hidden = model(token, positions, cache_step=step)
     next_token = sample(_logits(model, hidden), temperature, top_k, top_p)
     next_token = torch.where(finished, eos_id, next_token)
