@@ -22,6 +22,7 @@ import torch._inductor.config as inductor_config
 
 import fastppl.generate as gen
 from fastppl.generate import DecodeOptions, Sampling, generate
+from fastppl.accel.fused_mlp import fuse_mlp_epilogue, unfuse_mlp_epilogue
 from fastppl.models.kv_cache import KVCache
 from fastppl.models.loading import random_native
 
@@ -55,6 +56,9 @@ VARIANTS = [
     ("per_row index_put_", "cache_write=per_row", {}),
     ("no cudagraph trees", "", {"triton.cudagraph_trees": False}),
     ("stacked cache write", "cache_write=stacked", {}),
+    ("split argmax", "split_argmax=1", {}),
+    ("MLP epilogue", "", {"_fused_mlp": True}),
+    ("stacked + split argmax + MLP epilogue", "cache_write=stacked,split_argmax=1", {"_fused_mlp": True}),
     ("flex attention", "attention=flex", {}),
     ("flex + bucket 64", "attention=flex,attend_bucket=64", {}),
     ("max_autotune_gemm", "", {"max_autotune_gemm": True}),
@@ -78,6 +82,12 @@ def set_inductor(options: dict) -> dict:
     for key, value in options.items():
         if key == "_old_scatter":   # not Inductor's: the cache write of before
             KVCache.update = scatter_update if value else INDEXED_UPDATE
+            saved[key] = False
+            continue
+        if key == "_fused_mlp":     # not Inductor's: GPT-2's MLP with the cuBLASLt bias + GELU epilogue
+            for m in (globals().get("model32"), globals().get("model")):
+                if m is not None:
+                    (fuse_mlp_epilogue if value else unfuse_mlp_epilogue)(m)
             saved[key] = False
             continue
         *parents, attr = key.split(".")

@@ -49,6 +49,7 @@ class DecodeOptions:
     # to all of them (one compiled shape per bucket; 0 = always the whole cache)
     attend_bucket: int = 0
     dynamic: Optional[bool] = None   # torch.compile's dynamic; False compiles every batch size and bucket apart
+    split_argmax: bool = False       # greedy: the argmax over the vocabulary in two stages (two_stage_argmax)
 
     def __post_init__(self) -> None:
         if self.attention not in MASKED_ATTENTION:
@@ -73,13 +74,13 @@ class DecodeOptions:
                 if not value.isdigit():
                     raise FastpplError(f"{DECODE_ENV}: {key} must be an integer >= 0, got {value!r}")
                 fields[key] = int(value)
-            elif key in ("additive_mask", "dynamic"):
+            elif key in ("additive_mask", "dynamic", "split_argmax"):
                 if value.lower() not in ("0", "1", "true", "false", "none"):
                     raise FastpplError(f"{DECODE_ENV}: {key} must be true, false (or none for dynamic), got {value!r}")
                 fields[key] = None if value.lower() == "none" else value.lower() in ("1", "true")
             else:
                 raise FastpplError(f"{DECODE_ENV}: unknown option {key!r}; use attention, additive_mask, "
-                                   "cache_write, attend_bucket, dynamic")
+                                   "cache_write, attend_bucket, dynamic, split_argmax")
         return cls(**fields)
 
     @classmethod
@@ -110,11 +111,23 @@ class Sampling:
             raise FastpplError(f"--top-p must be in (0, 1], got {self.top_p}")
 
 
+def two_stage_argmax(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """logits.argmax(dim=-1) of (B, V), the same index on ties (the first), computed as the first maximum of
+    each chunk of the vocabulary and then the first chunk holding the largest: the first stage has B * V / chunk
+    independent reductions instead of B, so a small batch spreads over the GPU."""
+    B, V = logits.shape
+    n_chunks = -(-V // chunk)
+    padded = F.pad(logits, (0, n_chunks * chunk - V), value=-math.inf)
+    chunk_max, index_in_chunk = padded.view(B, n_chunks, chunk).max(dim=-1)    # (B, n_chunks): first maxima
+    best_chunk = chunk_max.argmax(dim=-1)                                      # (B,)
+    return best_chunk * chunk + index_in_chunk.gather(1, best_chunk[:, None]).squeeze(1)
+
+
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: Optional[int] = None,
-           top_p: Optional[float] = None) -> torch.Tensor:
+           top_p: Optional[float] = None, split_argmax: bool = False) -> torch.Tensor:
     """(B, V) fp32 logits -> (B,) token ids, without a host sync."""
     if temperature <= 0:
-        return logits.argmax(dim=-1)
+        return two_stage_argmax(logits) if split_argmax else logits.argmax(dim=-1)
     logits = logits / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, top_k, dim=-1).values[:, -1:]            # (B, 1)
@@ -174,11 +187,12 @@ def decode_one_token(
     model: nn.Module, token: torch.Tensor, input_pos: torch.Tensor, pad: torch.Tensor, finished: torch.Tensor,
     cache_len: int, eos_id: int, temperature: float, top_k: Optional[int], top_p: Optional[float],
     attention: str = "sdpa", additive_mask: bool = False, cache_write: str = "index_copy",
+    split_argmax: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One step: token (B, 1) goes into cache slot input_pos (1,); -> next token (B,), finished (B,).
     The step attends to the first cache_len slots (at most the cache's length). A finished row keeps
-    emitting eos_id (its outputs are cut at the first one). attention, additive_mask, cache_write: see
-    DecodeOptions."""
+    emitting eos_id (its outputs are cut at the first one). attention, additive_mask, cache_write,
+    split_argmax: see DecodeOptions."""
     B = token.shape[0]
     positions = (input_pos[None, :] - pad[:, None]).clamp(min=0)              # (B, 1)
     mask = padded_mask(pad, input_pos, cache_len)                             # (B, 1, 1, cache_len), every layer's
@@ -188,7 +202,7 @@ def decode_one_token(
     slots = input_pos.expand(B, 1) if cache_write == "per_row" else input_pos   # (B, 1) or (1,)
     step = CacheStep(slots=slots, mask=mask, attention=attention, stacked_write=cache_write == "stacked")
     hidden = model(token, positions, cache_step=step)
-    next_token = sample(_logits(model, hidden), temperature, top_k, top_p)
+    next_token = sample(_logits(model, hidden), temperature, top_k, top_p, split_argmax)
     next_token = torch.where(finished, eos_id, next_token)
     return next_token, finished | (next_token == eos_id)
 
@@ -288,7 +302,7 @@ def generate(
 
     input_pos = torch.tensor([P], dtype=torch.int64, device=device)
     fixed = (eos, sampling.temperature, sampling.top_k, sampling.top_p, decode.attention, decode.additive_mask,
-             decode.cache_write)
+             decode.cache_write, decode.split_argmax)
     n_steps = max_new_tokens - 1
     step_fn = compiled_decode_one_token(decode.dynamic) if compile else decode_one_token
     steps, warmup_steps, warmup_seconds, decode_seconds, blocks = _decode_per_step(
