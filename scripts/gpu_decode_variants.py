@@ -29,7 +29,7 @@ from fastppl.models.loading import random_native
 INDEXED_UPDATE = KVCache.update
 
 
-def scatter_update(self, slots, k, v, stacked=False):
+def scatter_update(self, slots, k, v):
     """The cache write before index_copy_ / index_put_ (scatter_ with an expanded index), for comparison."""
     if slots.dim() == 1:
         slots = slots.expand(k.shape[0], -1)
@@ -55,10 +55,9 @@ VARIANTS = [
     ("additive + bucket 64", "additive_mask=1,attend_bucket=64", {}),
     ("per_row index_put_", "cache_write=per_row", {}),
     ("no cudagraph trees", "", {"triton.cudagraph_trees": False}),
-    ("stacked cache write", "cache_write=stacked", {}),
-    ("split argmax", "split_argmax=1", {}),
+    ("transposed logits", "transposed_logits=1", {}),
+    ("additive + transposed logits", "additive_mask=1,transposed_logits=1", {}),
     ("MLP epilogue", "", {"_fused_mlp": True}),
-    ("stacked + split argmax + MLP epilogue", "cache_write=stacked,split_argmax=1", {"_fused_mlp": True}),
     ("flex attention", "attention=flex", {}),
     ("flex + bucket 64", "attention=flex,attend_bucket=64", {}),
     ("max_autotune_gemm", "", {"max_autotune_gemm": True}),

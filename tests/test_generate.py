@@ -146,7 +146,7 @@ def test_benchmark_generate_reports_decode_speed():
 
 DECODE_VARIANTS = ["cache_write=per_row", "attention=matmul", "attention=reduction", "additive_mask=true", "cache_write=index_copy",
                    "attend_bucket=8", "attention=reduction,additive_mask=1,cache_write=index_copy,attend_bucket=8",
-                   "attention=flex", "attention=flex,additive_mask=1,attend_bucket=8", "cache_write=stacked", "split_argmax=1"]
+                   "attention=flex", "attention=flex,additive_mask=1,attend_bucket=8", "transposed_logits=1"]
 
 
 @pytest.mark.parametrize("options", DECODE_VARIANTS)
@@ -164,19 +164,6 @@ def test_decode_options_give_the_default_tokens(preset, options):
         assert generate(model, prompts[1:2], 20, eos_id=None).tokens == expected[1:2]
 
 
-@pytest.mark.parametrize("V, chunk", [(50257, 1024), (64, 1024), (3000, 1000), (10, 3)])
-def test_two_stage_argmax_equals_argmax_with_ties(V, chunk):
-    """The first index of the maximum, as argmax: on random logits, and with the maximum repeated in
-    several chunks and within one chunk."""
-    from fastppl.generate import two_stage_argmax
-    generator = torch.Generator().manual_seed(V)
-    logits = torch.randn(5, V, generator=generator)
-    logits[1, [V - 1, V // 2, V // 3]] = 9.0          # ties across chunks: the first wins
-    logits[2, :] = 0.0                                 # all equal: index 0
-    logits[3, [V - 1, V - 2]] = 7.0                    # ties inside the last (padded) chunk
-    torch.testing.assert_close(two_stage_argmax(logits, chunk), logits.argmax(dim=-1), rtol=0, atol=0)
-
-
 def test_decode_options_parse_and_bucket_lengths():
     options = DecodeOptions.parse(" attention=matmul, attend_bucket=64 ,dynamic=false")
     assert options == DecodeOptions(attention="matmul", attend_bucket=64, dynamic=False)
@@ -191,7 +178,7 @@ def test_decode_options_parse_and_bucket_lengths():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
 @pytest.mark.parametrize("new_tokens", [1, 2, 3, 24, 40])
-@pytest.mark.parametrize("options", ["", "attention=flex", "cache_write=stacked", "split_argmax=1"])
+@pytest.mark.parametrize("options", ["", "attention=flex", "transposed_logits=1"])
 def test_compiled_decode_in_cuda_graphs_gives_the_eager_tokens(preset, new_tokens, options):
     """fp32, prompts of different lengths: the compiled decode step (one CUDA graph replay per token, after
     the 2 warm-up steps) gives the eager tokens; rows stop at end-of-text as eagerly; sampling with a seed

@@ -123,6 +123,3 @@ def test_cache_writes_per_row_and_shared_equal_scatter():
     shared.update(slots[0], k, v)                       # (T,): both rows write slots 4 and 1
     assert torch.equal(shared.k[:, :, [4, 1]], k) and torch.equal(shared.v[:, :, [4, 1]], v)
     assert shared.k[:, :, [0, 2, 3, 5]].abs().sum() == 0
-    stacked = KVCache(2, 3, 6, 4, torch.float32, torch.device("cpu"))
-    stacked.update(slots[0], k, v, stacked=True)       # one write of keys and values together
-    assert torch.equal(stacked.kv, shared.kv)

@@ -32,7 +32,7 @@ from .models.attention import MASKED_ATTENTION
 from .models.kv_cache import CacheStep, ensure_kv_cache, supports_kv_cache
 
 CACHE_LEN_MULTIPLE = 64   # cache lengths rounded up to this, so that nearby lengths share a compiled graph
-CACHE_WRITES = ("index_copy", "stacked", "per_row")
+CACHE_WRITES = ("index_copy", "per_row")
 DECODE_ENV = "FASTPPL_DECODE"   # e.g. "attention=matmul,cache_write=index_copy,attend_bucket=64"
 
 
@@ -42,14 +42,15 @@ class DecodeOptions:
     The defaults come from the environment variable FASTPPL_DECODE (DecodeOptions.from_env)."""
     attention: str = "sdpa"          # masked_attention's kernel: sdpa, matmul or reduction
     additive_mask: bool = False      # the mask as a float 0 / -inf tensor, built once a step, not bool
-    # index_copy: every row writes the same slot (an index_copy_ of keys, another of values); stacked: the same
-    # in one index_copy_ of both; per_row: each row its own (index_put_)
+    # index_copy: every row writes the same slot (index_copy_); per_row: each row its own (index_put_)
     cache_write: str = "index_copy"
     # > 0: a step attends to the first ceil((input_pos + 1) / attend_bucket) * attend_bucket cache slots, not
     # to all of them (one compiled shape per bucket; 0 = always the whole cache)
     attend_bucket: int = 0
     dynamic: Optional[bool] = None   # torch.compile's dynamic; False compiles every batch size and bucket apart
-    split_argmax: bool = False       # greedy: the argmax over the vocabulary in two stages (two_stage_argmax)
+    # the logits as (lm_head.weight @ h^T)^T: a (V, B) product whose rows are aligned whatever V is; cuBLAS
+    # runs a (B, V) product of an odd V (GPT-2's 50,257) with a slow unaligned kernel
+    transposed_logits: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in MASKED_ATTENTION:
@@ -74,13 +75,13 @@ class DecodeOptions:
                 if not value.isdigit():
                     raise FastpplError(f"{DECODE_ENV}: {key} must be an integer >= 0, got {value!r}")
                 fields[key] = int(value)
-            elif key in ("additive_mask", "dynamic", "split_argmax"):
+            elif key in ("additive_mask", "dynamic", "transposed_logits"):
                 if value.lower() not in ("0", "1", "true", "false", "none"):
                     raise FastpplError(f"{DECODE_ENV}: {key} must be true, false (or none for dynamic), got {value!r}")
                 fields[key] = None if value.lower() == "none" else value.lower() in ("1", "true")
             else:
                 raise FastpplError(f"{DECODE_ENV}: unknown option {key!r}; use attention, additive_mask, "
-                                   "cache_write, attend_bucket, dynamic, split_argmax")
+                                   "cache_write, attend_bucket, dynamic, transposed_logits")
         return cls(**fields)
 
     @classmethod
@@ -111,23 +112,11 @@ class Sampling:
             raise FastpplError(f"--top-p must be in (0, 1], got {self.top_p}")
 
 
-def two_stage_argmax(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """logits.argmax(dim=-1) of (B, V), the same index on ties (the first), computed as the first maximum of
-    each chunk of the vocabulary and then the first chunk holding the largest: the first stage has B * V / chunk
-    independent reductions instead of B, so a small batch spreads over the GPU."""
-    B, V = logits.shape
-    n_chunks = -(-V // chunk)
-    padded = F.pad(logits, (0, n_chunks * chunk - V), value=-math.inf)
-    chunk_max, index_in_chunk = padded.view(B, n_chunks, chunk).max(dim=-1)    # (B, n_chunks): first maxima
-    best_chunk = chunk_max.argmax(dim=-1)                                      # (B,)
-    return best_chunk * chunk + index_in_chunk.gather(1, best_chunk[:, None]).squeeze(1)
-
-
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: Optional[int] = None,
-           top_p: Optional[float] = None, split_argmax: bool = False) -> torch.Tensor:
+           top_p: Optional[float] = None) -> torch.Tensor:
     """(B, V) fp32 logits -> (B,) token ids, without a host sync."""
     if temperature <= 0:
-        return two_stage_argmax(logits) if split_argmax else logits.argmax(dim=-1)
+        return logits.argmax(dim=-1)
     logits = logits / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, top_k, dim=-1).values[:, -1:]            # (B, 1)
@@ -167,9 +156,13 @@ def padded_mask(pad: torch.Tensor, query_slots: torch.Tensor, cache_len: int) ->
     return (causal & (real | (j == i)))[:, None]                              # (B, 1, T, L)
 
 
-def _logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """fp32 logits (B, V) of the last position of hidden (B, T, C)."""
-    return F.linear(hidden[:, -1], model.lm_head.weight, getattr(model.lm_head, "bias", None)).float()
+def _logits(model: nn.Module, hidden: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    """fp32 logits (B, V) of the last position of hidden (B, T, C); transposed: see DecodeOptions."""
+    weight, bias = model.lm_head.weight, getattr(model.lm_head, "bias", None)
+    if not transposed:
+        return F.linear(hidden[:, -1], weight, bias).float()
+    logits = (weight @ hidden[:, -1].T).T                                        # (B, V) view of (V, B)
+    return (logits if bias is None else logits + bias).float()
 
 
 def prefill(model: nn.Module, ids: torch.Tensor, pad: torch.Tensor, cache_len: int,
@@ -187,12 +180,12 @@ def decode_one_token(
     model: nn.Module, token: torch.Tensor, input_pos: torch.Tensor, pad: torch.Tensor, finished: torch.Tensor,
     cache_len: int, eos_id: int, temperature: float, top_k: Optional[int], top_p: Optional[float],
     attention: str = "sdpa", additive_mask: bool = False, cache_write: str = "index_copy",
-    split_argmax: bool = False,
+    transposed_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One step: token (B, 1) goes into cache slot input_pos (1,); -> next token (B,), finished (B,).
     The step attends to the first cache_len slots (at most the cache's length). A finished row keeps
     emitting eos_id (its outputs are cut at the first one). attention, additive_mask, cache_write,
-    split_argmax: see DecodeOptions."""
+    transposed_logits: see DecodeOptions."""
     B = token.shape[0]
     positions = (input_pos[None, :] - pad[:, None]).clamp(min=0)              # (B, 1)
     mask = padded_mask(pad, input_pos, cache_len)                             # (B, 1, 1, cache_len), every layer's
@@ -200,9 +193,9 @@ def decode_one_token(
         dtype = next(model.parameters()).dtype
         mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -math.inf)
     slots = input_pos.expand(B, 1) if cache_write == "per_row" else input_pos   # (B, 1) or (1,)
-    step = CacheStep(slots=slots, mask=mask, attention=attention, stacked_write=cache_write == "stacked")
+    step = CacheStep(slots=slots, mask=mask, attention=attention)
     hidden = model(token, positions, cache_step=step)
-    next_token = sample(_logits(model, hidden), temperature, top_k, top_p, split_argmax)
+    next_token = sample(_logits(model, hidden, transposed_logits), temperature, top_k, top_p)
     next_token = torch.where(finished, eos_id, next_token)
     return next_token, finished | (next_token == eos_id)
 
@@ -302,7 +295,7 @@ def generate(
 
     input_pos = torch.tensor([P], dtype=torch.int64, device=device)
     fixed = (eos, sampling.temperature, sampling.top_k, sampling.top_p, decode.attention, decode.additive_mask,
-             decode.cache_write, decode.split_argmax)
+             decode.cache_write, decode.transposed_logits)
     n_steps = max_new_tokens - 1
     step_fn = compiled_decode_one_token(decode.dynamic) if compile else decode_one_token
     steps, warmup_steps, warmup_seconds, decode_seconds, blocks = _decode_per_step(

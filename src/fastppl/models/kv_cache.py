@@ -9,7 +9,7 @@ The model's forward is the same with and without a cache. Given a cache_step, ea
 writes the keys and values of the T new tokens into the slots named by `cache_step.slots`, then its
 queries attend to all L slots under `cache_step.mask`. Which slot holds which token, and who may see it, is the
 caller's business (generation: slot = step; cached sliding windows: a ring buffer), so the cache is
-nothing but one (2, B, nkv, L, hs) tensor of keys and values and an indexed write. Shapes never change, which is what CUDA graphs need.
+nothing but two tensors and an indexed write. Shapes never change, which is what CUDA graphs need.
 """
 from __future__ import annotations
 
@@ -35,37 +35,23 @@ class CacheStep:
     # slot's position can change from step to step (cached sliding windows use window-relative positions).
     key_rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     attention: str = "sdpa"        # how masked_attention computes (fastppl.models.attention.MASKED_ATTENTION)
-    stacked_write: bool = False    # (T,) slots: keys and values written by one kernel (KVCache.update)
 
 
 class KVCache(nn.Module):
     def __init__(self, batch: int, n_kv_head: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         super().__init__()
-        # keys and values stacked in one buffer, so that a step can write both with one kernel.
+        shape = (batch, n_kv_head, max_len, head_dim)
         # zeros, not empty: slots that are never written are still read (under a False mask), and
         # 0 * NaN garbage would poison the attention output
-        shape = (2, batch, n_kv_head, max_len, head_dim)
-        self.register_buffer("kv", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    @property
-    def k(self) -> torch.Tensor:   # (B, nkv, L, hs), a view
-        return self.kv[0]
-
-    @property
-    def v(self) -> torch.Tensor:
-        return self.kv[1]
-
-    def update(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               stacked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (B, nkv, T, hs) into slots (B, T) or (T,); return the whole cache (B, nkv, L, hs) twice.
-        stacked, with (T,) slots: one index_copy_ of torch.stack((k, v)) instead of one per tensor."""
+    def update(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (B, nkv, T, hs) into slots (B, T) or (T,); return the whole cache (B, nkv, L, hs) twice."""
         if slots.dim() == 1:
-            if stacked:
-                self.kv.index_copy_(3, slots, torch.stack((k, v)))
-            else:
-                self.k.index_copy_(2, slots, k)
-                self.v.index_copy_(2, slots, v)
+            self.k.index_copy_(2, slots, k)
+            self.v.index_copy_(2, slots, v)
             return self.k, self.v
         # an index_put_, not a scatter_ with an expanded index: Inductor writes the first in place, but turns
         # the second into a copy of the whole cache and a copy back
@@ -75,7 +61,8 @@ class KVCache(nn.Module):
         return self.k, self.v
 
     def reset(self) -> None:
-        self.kv.zero_()
+        self.k.zero_()
+        self.v.zero_()
 
 
 def attention_layers(model: nn.Module) -> list[nn.Module]:

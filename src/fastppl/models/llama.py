@@ -143,7 +143,7 @@ class Attention(nn.Module):
         else:
             if cache_step.key_rope is None:
                 k = apply_rotary(k, *rope)           # cached as rotated at their own positions
-            k, v = self.kv_cache.update(cache_step.slots, k, v, cache_step.stacked_write)            # (B, nkv, L, hs)
+            k, v = self.kv_cache.update(cache_step.slots, k, v)            # (B, nkv, L, hs)
             if cache_step.key_rope is not None:
                 k = apply_rotary(k, *cache_step.key_rope)   # cached unrotated: rotated here at the step's positions
             y = masked_attention(q, k, v, cache_step.mask, cache_step.attention)
