@@ -55,12 +55,7 @@ VARIANTS = [
     ("additive + bucket 64", "additive_mask=1,attend_bucket=64", {}),
     ("per_row index_put_", "cache_write=per_row", {}),
     ("no cudagraph trees", "", {"triton.cudagraph_trees": False}),
-    ("transposed logits", "transposed_logits=1", {}),
-    ("additive + transposed logits", "additive_mask=1,transposed_logits=1", {}),
-    ("additive + transposed + bucket 64", "additive_mask=1,transposed_logits=1,attend_bucket=64", {}),
     ("MLP epilogue", "", {"_fused_mlp": True}),
-    ("flex attention", "attention=flex", {}),
-    ("flex + bucket 64", "attention=flex,attend_bucket=64", {}),
     ("max_autotune_gemm", "", {"max_autotune_gemm": True}),
 ]
 if os.environ.get("DECODE_ONLY"):   # e.g. DECODE_ONLY="index_copy (default),max_autotune_gemm"

@@ -1,6 +1,7 @@
 #!/bin/bash
 # (Recorded as run: the stacked (2, B, nkv, L, hs) cache it measured made the two-write default copy the whole
-# cache every step, 2.45 ms at batch 64, and was reverted; see docs/BENCHMARKS.md, Session 5.)
+# cache every step, 2.45 ms at batch 64, and was reverted, as was the split argmax it timed; see
+# docs/BENCHMARKS.md, Session 5.)
 # Session 5, second call: where the batch-64 decode step spends its time; FlexAttention's decoding kernel
 # and the attend-length bucket as the decode step's attention, the stacked cache write; a same-run
 # bench --generate with the best of them.

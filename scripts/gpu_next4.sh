@@ -1,4 +1,6 @@
 #!/bin/bash
+# (Recorded as run: the variants it names other than the default, additive mask, bucket and MLP epilogue
+# were measured slower and removed afterwards; see docs/BENCHMARKS.md, Session 5.)
 # Session 5, third call: the batch-64 decode step's unaligned lm_head product (transposed_logits), the
 # per-layer mask bias (additive_mask), FlexAttention, the MLP epilogue; a same-run bench --generate with the
 # best; GPU tests of the compiled decode step; a batch-64 kernel profile if time is left.

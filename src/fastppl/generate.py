@@ -48,9 +48,6 @@ class DecodeOptions:
     # to all of them (one compiled shape per bucket; 0 = always the whole cache)
     attend_bucket: int = 0
     dynamic: Optional[bool] = None   # torch.compile's dynamic; False compiles every batch size and bucket apart
-    # the logits as (lm_head.weight @ h^T)^T: a (V, B) product whose rows are aligned whatever V is; cuBLAS
-    # runs a (B, V) product of an odd V (GPT-2's 50,257) with a slow unaligned kernel
-    transposed_logits: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in MASKED_ATTENTION:
@@ -75,13 +72,13 @@ class DecodeOptions:
                 if not value.isdigit():
                     raise FastpplError(f"{DECODE_ENV}: {key} must be an integer >= 0, got {value!r}")
                 fields[key] = int(value)
-            elif key in ("additive_mask", "dynamic", "transposed_logits"):
+            elif key in ("additive_mask", "dynamic"):
                 if value.lower() not in ("0", "1", "true", "false", "none"):
                     raise FastpplError(f"{DECODE_ENV}: {key} must be true, false (or none for dynamic), got {value!r}")
                 fields[key] = None if value.lower() == "none" else value.lower() in ("1", "true")
             else:
                 raise FastpplError(f"{DECODE_ENV}: unknown option {key!r}; use attention, additive_mask, "
-                                   "cache_write, attend_bucket, dynamic, transposed_logits")
+                                   "cache_write, attend_bucket, dynamic")
         return cls(**fields)
 
     @classmethod
@@ -156,13 +153,9 @@ def padded_mask(pad: torch.Tensor, query_slots: torch.Tensor, cache_len: int) ->
     return (causal & (real | (j == i)))[:, None]                              # (B, 1, T, L)
 
 
-def _logits(model: nn.Module, hidden: torch.Tensor, transposed: bool = False) -> torch.Tensor:
-    """fp32 logits (B, V) of the last position of hidden (B, T, C); transposed: see DecodeOptions."""
-    weight, bias = model.lm_head.weight, getattr(model.lm_head, "bias", None)
-    if not transposed:
-        return F.linear(hidden[:, -1], weight, bias).float()
-    logits = (weight @ hidden[:, -1].T).T                                        # (B, V) view of (V, B)
-    return (logits if bias is None else logits + bias).float()
+def _logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """fp32 logits (B, V) of the last position of hidden (B, T, C)."""
+    return F.linear(hidden[:, -1], model.lm_head.weight, getattr(model.lm_head, "bias", None)).float()
 
 
 def prefill(model: nn.Module, ids: torch.Tensor, pad: torch.Tensor, cache_len: int,
@@ -180,12 +173,11 @@ def decode_one_token(
     model: nn.Module, token: torch.Tensor, input_pos: torch.Tensor, pad: torch.Tensor, finished: torch.Tensor,
     cache_len: int, eos_id: int, temperature: float, top_k: Optional[int], top_p: Optional[float],
     attention: str = "sdpa", additive_mask: bool = False, cache_write: str = "index_copy",
-    transposed_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One step: token (B, 1) goes into cache slot input_pos (1,); -> next token (B,), finished (B,).
     The step attends to the first cache_len slots (at most the cache's length). A finished row keeps
-    emitting eos_id (its outputs are cut at the first one). attention, additive_mask, cache_write,
-    transposed_logits: see DecodeOptions."""
+    emitting eos_id (its outputs are cut at the first one). attention, additive_mask, cache_write: see
+    DecodeOptions."""
     B = token.shape[0]
     positions = (input_pos[None, :] - pad[:, None]).clamp(min=0)              # (B, 1)
     mask = padded_mask(pad, input_pos, cache_len)                             # (B, 1, 1, cache_len), every layer's
@@ -195,7 +187,7 @@ def decode_one_token(
     slots = input_pos.expand(B, 1) if cache_write == "per_row" else input_pos   # (B, 1) or (1,)
     step = CacheStep(slots=slots, mask=mask, attention=attention)
     hidden = model(token, positions, cache_step=step)
-    next_token = sample(_logits(model, hidden, transposed_logits), temperature, top_k, top_p)
+    next_token = sample(_logits(model, hidden), temperature, top_k, top_p)
     next_token = torch.where(finished, eos_id, next_token)
     return next_token, finished | (next_token == eos_id)
 
@@ -295,7 +287,7 @@ def generate(
 
     input_pos = torch.tensor([P], dtype=torch.int64, device=device)
     fixed = (eos, sampling.temperature, sampling.top_k, sampling.top_p, decode.attention, decode.additive_mask,
-             decode.cache_write, decode.transposed_logits)
+             decode.cache_write)
     n_steps = max_new_tokens - 1
     step_fn = compiled_decode_one_token(decode.dynamic) if compile else decode_one_token
     steps, warmup_steps, warmup_seconds, decode_seconds, blocks = _decode_per_step(

@@ -152,7 +152,7 @@ def varlen_document_attention(
 
 # ---- the KV-cache path and FlexAttention -------------------------------------------------------------
 
-MASKED_ATTENTION = ("sdpa", "matmul", "reduction", "flex")   # the kernels masked_attention can use
+MASKED_ATTENTION = ("sdpa", "matmul", "reduction")   # the kernels masked_attention can use
 
 
 def masked_attention(
@@ -169,15 +169,12 @@ def masked_attention(
     kernel: "sdpa" calls SDPA's fused kernels; "matmul" writes it as two matmuls around an fp32 softmax, and
     "reduction" as broadcast products summed in fp32, so that a compiler can fuse mask, scale and softmax
     (both are meant for a decode step's single query: "reduction" materialises (B, nkv, g*T, L', hs)
-    when run eagerly); "flex" is FlexAttention with the mask read in its score_mod, which under
-    torch.compile becomes its split-KV decoding kernel for short queries (eagerly, an unfused reference)."""
+    when run eagerly)."""
     B, nh, T, hs = q.shape
     nkv = k.shape[1]
     L = mask.shape[-1]
     if L < k.shape[2]:
         k, v = k[:, :, :L], v[:, :, :L]      # views: the slots past L' are never read
-    if kernel == "flex":
-        return _flex_masked_attention(q, k, v, mask)
     g = nh // nkv
     if g > 1:
         # query head h = kv * g + i reads key head kv; stacked row i * T + t is query t of head i in group kv
@@ -196,19 +193,6 @@ def masked_attention(
     else:
         raise ValueError(f"unknown masked attention kernel {kernel!r}; use one of {MASKED_ATTENTION}")
     return y.reshape(B, nh, T, hs)   # not view: SDPA's fp32 output can be strided (B, g*T, nkv, hs)
-
-
-def _flex_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """masked_attention through FlexAttention: the (B, 1, T, L') mask applied as a score_mod, with no block
-    mask (a decode step reads every slot anyway, and building one each step would cost more kernels)."""
-    from torch.nn.attention.flex_attention import flex_attention
-    if mask.dtype == torch.bool:
-        def apply_mask(score, b, h, q_index, kv_index):
-            return torch.where(mask[b, 0, q_index, kv_index], score, -math.inf)
-    else:
-        def apply_mask(score, b, h, q_index, kv_index):
-            return score + mask[b, 0, q_index, kv_index]
-    return flex_attention(q, k, v, score_mod=apply_mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
