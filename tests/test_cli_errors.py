@@ -102,7 +102,7 @@ def test_subprocess_help_and_usage():
     for flag in ("--model", "--data", "--window", "--ctx", "--stride", "--bos", "--json", "--per-token"):
         assert flag in proc.stdout
     proc = _subprocess([])
-    assert proc.returncode == 2 and "usage: fastppl" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "see fastppl --help" in proc.stderr
 
 
 # ----------------------------------------------------------------------------------- the data
@@ -335,3 +335,61 @@ def test_checkpoint_seconds_nan_is_refused():
     from fastppl.errors import FastpplError
     with pytest.raises(FastpplError, match="checkpoint-seconds"):
         EvalConfig(model="random:gpt2-tiny", data=["x.txt"], checkpoint_seconds=float("nan"))
+
+
+@pytest.mark.parametrize("extra", [["--window", "rolling"], ["--split", "test"], ["--batch-size", "many"]])
+def test_argparse_errors_are_one_line(extra, text, outputs, tokenizer_dir, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(_args(TINY, text, outputs, tokenizer_dir, *extra))
+    _assert_user_error(exit_info.value.code, "fastppl: " + capsys.readouterr().err.split(": ", 1)[1], outputs,
+                       "see fastppl eval --help")
+
+
+# ------------------------------------------------------------------------------ the outputs
+def test_output_paths_must_be_distinct_non_empty_and_not_an_input(tmp_path, text, tokenizer_dir, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    base = ["eval", "--model", TINY, "--data", str(text), "--tokenizer", str(tokenizer_dir), "--device", "cpu",
+            "--quiet"]
+    before = text.read_bytes()
+    for extra, fragment in [
+        (["--json", str(text)], "is an input file of this run"),
+        (["--json", str(out / "same"), "--per-doc", str(out / "same")], "the same file as --json"),
+        (["--json", ""], "--json: empty path"),
+        (["--json", str(text / "report.json")], "is a file, not a directory"),
+    ]:
+        _assert_user_error(*_main(capsys, base + extra), (out / "same",), fragment)
+    assert text.read_bytes() == before
+
+
+def test_path_too_long_is_a_one_line_error(tmp_path, text, outputs, tokenizer_dir, capsys):
+    long_name = "a" * 300
+    _assert_user_error(*_main(capsys, _args(TINY, tmp_path / f"{long_name}.txt", outputs, tokenizer_dir)),
+                       outputs, "too long")
+    json_path, npy_path = outputs
+    args = _args(TINY, text, outputs, tokenizer_dir)
+    args[args.index("--json") + 1] = str(json_path.parent / f"{long_name}.json")
+    _assert_user_error(*_main(capsys, args), outputs, "too long")
+
+
+@pytest.mark.skipif(not Path("/dev/null").exists(), reason="no /dev/null")
+def test_a_device_as_output_is_written_in_place(text, tokenizer_dir, capsys):
+    """--json /dev/null (or /dev/stdout) is written to, not replaced by a regular file."""
+    rc = main(["eval", "--model", TINY, "--data", str(text), "--tokenizer", str(tokenizer_dir), "--device", "cpu",
+               "--quiet", "--json", "/dev/null"])
+    assert rc == 0 and Path("/dev/null").is_char_device()
+
+
+def test_missing_tokenizer_path_fails_fast(tmp_path, text, outputs, capsys, monkeypatch):
+    """models/tok, where models/ exists here, is a path, not the hub id org/name: no hub retries."""
+    (tmp_path / "models").mkdir()
+    monkeypatch.chdir(tmp_path)
+    _assert_user_error(*_main(capsys, _args(TINY, text, outputs, "models/tok")), outputs, "no such tokenizer directory")
+
+
+def test_generate_nan_temperature_and_bench_zero_tokens(tokenizer_dir, capsys):
+    rc, err = _main(capsys, ["generate", "--model", TINY, "--tokenizer", str(tokenizer_dir), "--device", "cpu",
+                             "--prompt", "hi", "--max-new-tokens", "2", "--temperature", "nan"])
+    assert rc == 2 and "--temperature must be a finite number" in err and err.count("\n") == 1
+    rc, err = _main(capsys, ["bench", "--model", TINY, "--device", "cpu", "--tokens", "0"])
+    assert rc == 2 and "--tokens must be at least 1" in err

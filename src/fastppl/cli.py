@@ -9,6 +9,13 @@ from typing import Optional, Sequence
 from .errors import FastpplError
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block), exit code 2 as for every other bad input."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
 def _batch_size(value: str):
     if value == "auto":
         return value
@@ -87,14 +94,18 @@ def run_eval(args: argparse.Namespace) -> int:
         return _relaunch(args)
     from .distributed import init_distributed, is_main_process, stop_all_on_failure
     from .pipeline import evaluate
-    from .report import check_writable, summary, write_json, write_jsonl, write_npy
+    from .report import check_distinct_outputs, check_writable, summary, write_json, write_jsonl, write_npy
 
     @stop_all_on_failure   # under torchrun, rank 0's output check stops the other ranks too
     def check_outputs() -> None:
         init_distributed(args.device)   # None on one process; evaluate() joins the same job
-        for flag, path in (("--json", args.json), ("--per-token", args.per_token), ("--per-doc", args.per_doc)):
-            if path and is_main_process():
-                check_writable(path, flag)
+        outputs = {"--json": args.json, "--per-token": args.per_token, "--per-doc": args.per_doc,
+                   "--plot": args.plot}
+        if is_main_process():
+            check_distinct_outputs(outputs, inputs=args.data)
+            for flag, path in outputs.items():
+                if path and flag != "--plot":
+                    check_writable(path, flag)
 
     config = _config_from_args(args)
     check_outputs()
@@ -135,6 +146,9 @@ def run_bench(args: argparse.Namespace) -> int:
         return run_bench_docs(args)
     from .bench import format_table, run_bench as bench
     from .report import check_writable, write_json
+    for flag, value in (("--tokens", args.tokens), ("--naive-tokens", args.naive_tokens)):
+        if value is not None and value < 1:
+            raise FastpplError(f"{flag} must be at least 1, got {value}")
     if args.json:
         check_writable(args.json, "--json")
     log = (lambda line: None) if args.quiet else (lambda line: print(line, file=_sys.stderr, flush=True))
@@ -194,8 +208,9 @@ def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_generate(args: argparse.Namespace) -> int:
     from .generate import GenerateConfig, Sampling, generation_summary, read_prompts, run_generate as generate
-    from .report import check_writable, write_json
+    from .report import check_distinct_outputs, check_writable, write_json
 
+    check_distinct_outputs({"--json": args.json}, inputs=[args.prompts] if args.prompts else [])
     if args.json:
         check_writable(args.json, "--json")
     prompts = list(args.prompt) + (read_prompts(args.prompts) if args.prompts else [])
@@ -232,7 +247,7 @@ def run_compare(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fastppl", description="Exact perplexity of causal language models, fast.")
+    parser = _Parser(prog="fastppl", description="Exact perplexity of causal language models, fast.")
     sub = parser.add_subparsers(dest="command", required=True)
     eval_parser = sub.add_parser(
         "eval", help="NLL, perplexity and bits per byte of a model over a corpus",
@@ -297,6 +312,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("fastppl: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:   # a path the checks above did not foresee (too long, unreadable, ...)
+        where = f": {e.filename}" if e.filename else ""
+        print(f"fastppl: error: {e.strerror or e}{where}; check the paths given", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

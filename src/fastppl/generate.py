@@ -101,8 +101,8 @@ class Sampling:
     seed: Optional[int] = 0            # when sampling, reseeds torch's RNG (reproducible on one device and setting)
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise FastpplError(f"--temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise FastpplError(f"--temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
             raise FastpplError(f"--top-k must be >= 1, got {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
@@ -373,8 +373,10 @@ def read_prompts(path: str) -> list[str]:
     """One prompt per line; blank lines are skipped; a literal \\n inside a line stands for a newline."""
     try:
         lines = open(path, encoding="utf-8").read().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise FastpplError(f"--prompts {path}: cannot be read ({e})") from None
+    except OSError as e:
+        raise FastpplError(f"--prompts {path}: cannot be read ({e.strerror or e}); check the path") from None
+    except UnicodeDecodeError as e:
+        raise FastpplError(f"--prompts {path}: byte {e.start} is not valid UTF-8; save the file as UTF-8") from None
     prompts = [line.replace("\\n", "\n") for line in lines if line.strip()]
     if not prompts:
         raise FastpplError(f"--prompts {path}: holds no prompt (one per line)")

@@ -136,7 +136,7 @@ def _jsonl_documents(raw_text: str, path: Path, text_field: str) -> list[Documen
                 f"{path}:{line_number}: no field {text_field!r}; pass --text-field NAME"
             )
         if not isinstance(record[text_field], str):
-            raise FastpplError(f"{path}:{line_number}: field {text_field!r} is not a string")
+            raise FastpplError(f"{path}:{line_number}: field {text_field!r} is not a string; pick the text field with --text-field")
         documents.append(Document(id=f"{path}:{line_number}", text=record[text_field]))
     return documents
 

@@ -80,7 +80,7 @@ def hf_documents(source: str, text_field: str) -> list[Document]:
     documents = []
     for row, text in enumerate(dataset[text_field]):
         if not isinstance(text, str):
-            raise FastpplError(f"--data {source}: row {row}: field {text_field!r} is not a string")
+            raise FastpplError(f"--data {source}: row {row}: field {text_field!r} is not a string; pick the text field with --text-field")
         documents.append(Document(id=f"{source}:{row}", text=text))
     if not documents:
         raise FastpplError(f"--data {source}: the split holds no rows")

@@ -89,18 +89,28 @@ def _hub_tokenizer_dir(repo_id: str) -> Optional[Path]:
 
 
 def load_tokenizer(name_or_path: str, offline_hint: str = "") -> Tokenizer:
-    if name_or_path.startswith((".", "/", "~")) and not Path(name_or_path).expanduser().exists():
-        raise FastpplError(f"{name_or_path}: no such tokenizer directory; check --tokenizer")
     directory = Path(name_or_path).expanduser()
+    # a path, not a hub id ("org/name"): it starts like one, has more than one "/", or its parent exists here
+    path_like = (name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+                 or (directory.parent != Path(".") and directory.parent.is_dir()))
+    if directory.is_file():
+        raise FastpplError(f"{name_or_path}: is a file; --tokenizer takes a tokenizer directory (tokenizer.json, "
+                           "or vocab.json + merges.txt)")
+    if path_like and not directory.exists():
+        raise FastpplError(f"{name_or_path}: no such tokenizer directory; check --tokenizer")
     if not directory.exists():
-        directory = _hub_tokenizer_dir(name_or_path) or directory
+        hub_directory = _hub_tokenizer_dir(name_or_path)
+        if hub_directory is None:   # transformers would only try the hub again, with slow retries
+            raise FastpplError(f"unknown tokenizer {name_or_path!r}: not a local directory, and the hub did not "
+                               f"serve it; pass --tokenizer PATH to a local tokenizer directory{offline_hint}")
+        directory = hub_directory
     if (directory / "tokenizer.json").is_file():
         fast = _load_tokenizer_json(directory, name_or_path)
         if fast is not None:
             return fast
     from transformers import AutoTokenizer
     try:
-        hf = AutoTokenizer.from_pretrained(name_or_path, use_fast=True)
+        hf = AutoTokenizer.from_pretrained(str(directory), use_fast=True)
     except Exception as e:  # transformers raises many types for missing/offline/corrupt tokenizers
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise FastpplError(

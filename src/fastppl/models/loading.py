@@ -73,7 +73,7 @@ def resolve_checkpoint_dir(spec: str) -> Path:
         return path
     if path.exists():
         raise FastpplError(f"{spec}: is a file; --model takes a checkpoint directory (config.json + weights)")
-    if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+    if spec.startswith((".", "/", "~")) or spec.count("/") > 1 or (path.parent != Path(".") and path.parent.is_dir()):
         raise FastpplError(f"{spec}: no such model directory; check --model")
     try:
         from huggingface_hub import snapshot_download
@@ -104,7 +104,7 @@ def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     safetensors_files = sorted(directory.glob("*.safetensors"))
     bin_files = sorted(directory.glob("pytorch_model*.bin"))
     if not safetensors_files and not bin_files:
-        raise FastpplError(f"{directory}: holds no model.safetensors or pytorch_model.bin")
+        raise FastpplError(f"{directory}: holds no model.safetensors or pytorch_model.bin; pass a checkpoint directory that has its weights")
     state: dict[str, torch.Tensor] = {}
     for file in safetensors_files or bin_files:
         try:
