@@ -122,7 +122,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--ctx", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--threads", type=int, default=1, help="CPU threads: the result repeats only at the same count")
     args = p.parse_args(argv)
+    import torch
+    torch.set_num_threads(args.threads)
     out = train_tiny(args.out, args.steps, seed=args.seed, data=args.data, tokenizer=args.tokenizer,
                      n_layer=args.layers, n_head=args.heads, n_embd=args.d_model, ctx=args.ctx,
                      batch_size=args.batch_size, learning_rate=args.lr, log_every=max(args.steps // 20, 1))

@@ -66,7 +66,8 @@ def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--batching", default="auto", choices=["auto", "packed", "bucketed", "padded"],
                    help="packed: several documents per row with a document mask; bucketed: rows of a few lengths; "
-                        "padded: every window its own row of ctx (auto: bucketed for several documents, measured fastest; else padded)")
+                        "padded: every window its own row of ctx (auto: one document padded; several packed where variable-length "
+                        "flash attention runs and the run does not compile, else bucketed)")
     p.add_argument("--per-doc", help="write one JSON line per scored document here (id, tokens, bytes, words, nll_sum)")
     p.add_argument("--resume", metavar="DIR", help="checkpoint into DIR, and resume from the checkpoint found there")
     p.add_argument("--checkpoint-seconds", type=float, default=60.0, help="with --resume: checkpoint at least this often")
