@@ -187,7 +187,7 @@ def load_documents(
         )
     raw = read_bytes(path)
     if not raw.strip():
-        raise FastpplError(f"{path}: is empty; pass a file with text in it")
+        raise FastpplError(f"{path}: is empty (or whitespace only); pass a file with text in it")
     text = decode_utf8(raw, str(path), errors)
     if path.suffix == ".jsonl":
         if split != "all":
