@@ -393,3 +393,12 @@ def test_generate_nan_temperature_and_bench_zero_tokens(tokenizer_dir, capsys):
     assert rc == 2 and "--temperature must be a finite number" in err and err.count("\n") == 1
     rc, err = _main(capsys, ["bench", "--model", TINY, "--device", "cpu", "--tokens", "0"])
     assert rc == 2 and "--tokens must be at least 1" in err
+    rc, err = _main(capsys, ["bench", "--model", TINY, "--device", "cpu", "--json", " "])
+    assert rc == 2 and "--json: empty path" in err
+
+
+def test_compare_plot_over_an_input_report_is_refused(tmp_path, capsys):
+    report = tmp_path / "a.png"          # a report under any name: the plot must not overwrite it
+    report.write_text("{}")
+    rc, err = _main(capsys, ["compare", str(report), "--plot", str(report)])
+    assert rc == 2 and "is an input file of this run" in err and report.read_text() == "{}"

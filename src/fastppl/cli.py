@@ -132,6 +132,8 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    from .report import check_distinct_outputs
+    check_distinct_outputs({"--json": args.json})
     if args.generate:
         from .bench_generate import run_from_args as run_generate_bench
         return run_generate_bench(args)
@@ -242,6 +244,8 @@ def _add_compare_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_compare(args: argparse.Namespace) -> int:
     from .compare import compare
+    from .report import check_distinct_outputs
+    check_distinct_outputs({"--plot": args.plot}, inputs=[*args.runs, *(args.per_doc or ())])
     print(compare(args.runs, args.per_doc or (), args.plot, args.markdown, args.force, args.worst,
                   args.min_doc_tokens))
     return 0
