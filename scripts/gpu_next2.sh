@@ -1,4 +1,6 @@
 #!/bin/bash
+# (Recorded as run: graph_steps, which it times, was measured no faster and removed in session 5;
+# see docs/BENCHMARKS.md, Session 5.)
 # Session 4, second call: decode steps captured several to a CUDA graph (DecodeOptions.graph_steps).
 export PYTHONPATH=src FASTPPL_SHARED_DATA=$PWD/.devcache/data
 T0=$(date +%s); stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }

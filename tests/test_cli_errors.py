@@ -341,8 +341,7 @@ def test_checkpoint_seconds_nan_is_refused():
 def test_argparse_errors_are_one_line(extra, text, outputs, tokenizer_dir, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(_args(TINY, text, outputs, tokenizer_dir, *extra))
-    _assert_user_error(exit_info.value.code, "fastppl: " + capsys.readouterr().err.split(": ", 1)[1], outputs,
-                       "see fastppl eval --help")
+    _assert_user_error(exit_info.value.code, capsys.readouterr().err, outputs, "see fastppl eval --help")
 
 
 # ------------------------------------------------------------------------------ the outputs
@@ -353,7 +352,7 @@ def test_output_paths_must_be_distinct_non_empty_and_not_an_input(tmp_path, text
             "--quiet"]
     before = text.read_bytes()
     for extra, fragment in [
-        (["--json", str(text)], "is an input file of this run"),
+        (["--json", str(text)], "would overwrite input"),
         (["--json", str(out / "same"), "--per-doc", str(out / "same")], "the same file as --json"),
         (["--json", ""], "--json: empty path"),
         (["--json", str(text / "report.json")], "is a file, not a directory"),
@@ -372,19 +371,50 @@ def test_path_too_long_is_a_one_line_error(tmp_path, text, outputs, tokenizer_di
     _assert_user_error(*_main(capsys, args), outputs, "too long")
 
 
-@pytest.mark.skipif(not Path("/dev/null").exists(), reason="no /dev/null")
-def test_a_device_as_output_is_written_in_place(text, tokenizer_dir, capsys):
-    """--json /dev/null (or /dev/stdout) is written to, not replaced by a regular file."""
-    rc = main(["eval", "--model", TINY, "--data", str(text), "--tokenizer", str(tokenizer_dir), "--device", "cpu",
-               "--quiet", "--json", "/dev/null"])
-    assert rc == 0 and Path("/dev/null").is_char_device()
+def test_a_fifo_as_output_is_written_in_place_and_a_symlink_followed(tmp_path, text, tokenizer_dir, capsys):
+    """--json and --per-doc into one FIFO (as into /dev/stdout) are written to it, not replaced by a regular
+    file; a --json symlink keeps being a symlink, to the new report."""
+    import json
+    import threading
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    received, done = [], threading.Event()
+
+    def read_every_writer():   # each output opens, writes and closes the FIFO: read until told to stop
+        while not done.is_set():
+            with open(fifo) as f:
+                received.append(f.read())
+
+    reader = threading.Thread(target=read_every_writer)
+    reader.start()
+    base = ["eval", "--model", TINY, "--data", str(text), "--tokenizer", str(tokenizer_dir), "--device", "cpu",
+            "--quiet"]
+    try:
+        rc = main(base + ["--json", str(fifo), "--per-doc", str(fifo)])
+    finally:
+        done.set()
+        open(fifo, "w").close()   # unblocks the reader's last open
+        reader.join(timeout=30)
+    everything = "".join(received)
+    assert rc == 0 and fifo.is_fifo() and '"nll_sum"' in everything and '"id"' in everything
+    real, link = tmp_path / "real.json", tmp_path / "link.json"
+    real.write_text("old")
+    link.symlink_to(real)
+    assert main(base + ["--json", str(link)]) == 0
+    assert link.is_symlink() and "nll_sum" in json.loads(real.read_text())
 
 
-def test_missing_tokenizer_path_fails_fast(tmp_path, text, outputs, capsys, monkeypatch):
-    """models/tok, where models/ exists here, is a path, not the hub id org/name: no hub retries."""
-    (tmp_path / "models").mkdir()
-    monkeypatch.chdir(tmp_path)
-    _assert_user_error(*_main(capsys, _args(TINY, text, outputs, "models/tok")), outputs, "no such tokenizer directory")
+def test_tokenizer_names_a_path_or_a_hub_id(tmp_path, text, outputs, capsys, monkeypatch):
+    """a/b/c is a path (no hub); org/name is a hub id, tried once, and its failure is one line at once."""
+    import fastppl.data.tokenize as tokenize
+    asked = []
+    monkeypatch.setattr(tokenize, "_hub_tokenizer_dir", lambda name: (asked.append(name), (None, "no network"))[1])
+    _assert_user_error(*_main(capsys, _args(TINY, text, outputs, "models/org/tok")), outputs,
+                       "no such tokenizer directory")
+    assert asked == []
+    _assert_user_error(*_main(capsys, _args(TINY, text, outputs, "org/tok")), outputs,
+                       "not a local directory, and the hub did not serve it (no network)")
+    assert asked == ["org/tok"]
 
 
 def test_generate_nan_temperature_and_bench_zero_tokens(tokenizer_dir, capsys):
@@ -401,4 +431,13 @@ def test_compare_plot_over_an_input_report_is_refused(tmp_path, capsys):
     report = tmp_path / "a.png"          # a report under any name: the plot must not overwrite it
     report.write_text("{}")
     rc, err = _main(capsys, ["compare", str(report), "--plot", str(report)])
-    assert rc == 2 and "is an input file of this run" in err and report.read_text() == "{}"
+    assert rc == 2 and "would overwrite input" in err and report.read_text() == "{}"
+
+
+def test_an_output_inside_a_data_directory_is_refused(tmp_path, tokenizer_dir, capsys):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("Tomorrow, and tomorrow, and tomorrow.\n")
+    rc, err = _main(capsys, ["eval", "--model", TINY, "--data", str(corpus), "--tokenizer", str(tokenizer_dir),
+                             "--device", "cpu", "--quiet", "--json", str(corpus / "a.txt")])
+    assert rc == 2 and "would overwrite input" in err and (corpus / "a.txt").read_text().startswith("Tomorrow")

@@ -13,7 +13,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (no usage block), exit code 2 as for every other bad input."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+        self.exit(2, f"fastppl: error: {message}; see {self.prog} --help\n")
 
 
 def _batch_size(value: str):
@@ -107,12 +107,12 @@ def run_eval(args: argparse.Namespace) -> int:
             for flag, path in outputs.items():
                 if path and flag != "--plot":
                     check_writable(path, flag)
+            if args.plot:
+                from .plot import check_plot_path
+                check_plot_path(args.plot)
 
     config = _config_from_args(args)
     check_outputs()
-    if args.plot and is_main_process():
-        from .plot import check_plot_path
-        check_plot_path(args.plot)
     result = evaluate(config)
     if not is_main_process():
         return 0   # only rank 0 prints and writes
@@ -318,8 +318,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("fastppl: interrupted", file=sys.stderr)
         return 130
     except OSError as e:   # a path the checks above did not foresee (too long, unreadable, ...)
-        where = f": {e.filename}" if e.filename else ""
-        print(f"fastppl: error: {e.strerror or e}{where}; check the paths given", file=sys.stderr)
+        if e.filename is None:
+            raise   # not about a path the user gave: a real failure, with its traceback
+        print(f"fastppl: error: {e.strerror or e}: {e.filename}; check the paths given", file=sys.stderr)
         return 2
 
 

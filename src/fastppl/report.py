@@ -10,42 +10,51 @@ from typing import Callable
 from .errors import FastpplError
 
 
+def written_in_place(path: str) -> bool:
+    """Whether an output goes straight into path instead of a renamed temporary file: devices, FIFOs and
+    anything under /dev or /proc (/dev/stdout, whether it leads to a terminal, a pipe or a file), which a
+    rename would replace by a regular file."""
+    target = Path(path).expanduser()
+    real = Path(os.path.realpath(target))
+    special = lambda p: p.exists() and not p.is_file() and not p.is_dir()
+    return special(target) or special(real) or str(target).startswith(("/dev/", "/proc/"))
+
+
 def check_distinct_outputs(outputs: dict, inputs=()) -> None:
     """Output paths ({flag: path or None}) must be non-empty, name different files, and not name an input
-    file: a report written over the corpus it scored would destroy it."""
+    file or a file inside an input directory: a report written over the corpus it scored would destroy it."""
     seen = {}
-    input_files = {Path(p).expanduser().resolve() for p in inputs if p and Path(p).expanduser().is_file()}
+    input_paths = [Path(p).expanduser().resolve() for p in inputs if p and Path(p).expanduser().exists()]
     for flag, path in outputs.items():
         if path is None:
             continue
         if not path.strip():
             raise FastpplError(f"{flag}: empty path; give a file path or leave {flag} out")
+        if written_in_place(path):
+            continue   # /dev/stdout, /dev/null: several outputs may share them
         resolved = Path(path).expanduser().resolve()
-        if resolved in input_files:
-            raise FastpplError(f"{flag} {path}: is an input file of this run; pick another output path")
-        if resolved in seen and resolved.exists() and not resolved.is_file():
-            continue   # e.g. two outputs to /dev/null
+        for source in input_paths:
+            if resolved == source or (source.is_dir() and resolved.is_relative_to(source)):
+                raise FastpplError(f"{flag} {path}: would overwrite input {source} of this run; pick another "
+                                   "output path")
         if resolved in seen:
             raise FastpplError(f"{flag} {path}: the same file as {seen[resolved]}; give each output its own path")
         seen[resolved] = flag
-
-
-def _is_special(target: Path) -> bool:
-    """An existing path that is neither a regular file nor a directory: /dev/stdout, /dev/null, a FIFO."""
-    return target.exists() and not target.is_file() and not target.is_dir()
 
 
 def check_writable(path: str, flag: str) -> None:
     """Fail before any work if an output file cannot be written. Creating a file is the only reliable
     test: os.access says yes to root on read-only and pseudo filesystems."""
     target = Path(path).expanduser()
-    parent = target.resolve().parent
     if target.is_dir():
         raise FastpplError(f"{flag} {path}: is a directory; give a file path")
-    if _is_special(target):   # written in place, not replaced (write_atomic)
+    if written_in_place(path):
+        if not target.exists():
+            raise FastpplError(f"{flag} {path}: no such device or file; pick another path")
         if not os.access(target, os.W_OK):
             raise FastpplError(f"{flag} {path}: cannot be written; pick another path")
         return
+    parent = Path(os.path.realpath(target)).parent   # where write_atomic puts its temporary file
     if parent.exists() and not parent.is_dir():
         raise FastpplError(f"{flag} {path}: {parent} is a file, not a directory; pick another path")
     if not parent.is_dir():
@@ -68,14 +77,18 @@ def _new_file_mode() -> int:
 def write_atomic(path: str, write: Callable, binary: bool = False) -> None:
     """write(file) into a temporary file beside path, then rename it into place; on any failure
     nothing is left behind, and an OS error is a one-line FastpplError. A device or FIFO (/dev/stdout) is
-    written in place: renaming over it would replace the device with a regular file."""
-    target = Path(path).expanduser()
+    written in place (written_in_place): renaming over it would replace the device with a regular file. A
+    symlink is followed: the file it points to is replaced, not the link."""
+    if written_in_place(path):
+        try:
+            with open(Path(path).expanduser(), "wb" if binary else "w") as f:
+                write(f)
+        except OSError as e:
+            raise FastpplError(f"cannot write {path} ({e.strerror or e})") from None
+        return
+    target = Path(os.path.realpath(Path(path).expanduser()))
     tmp = None
     try:
-        if _is_special(target):
-            with open(target, "wb" if binary else "w") as f:
-                write(f)
-            return
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix="." + target.name + ".")
         with os.fdopen(fd, "wb" if binary else "w") as f:
             write(f)

@@ -75,34 +75,37 @@ def _load_tokenizer_json(directory: Path, name: str) -> Optional[Tokenizer]:
                      eos_id=ids["eos_token"], vocab_size=backend.get_vocab_size(with_added_tokens=True))
 
 
-TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"]
+# what transformers may read to build a tokenizer: fast or slow files, sentencepiece models, and config.json
+# (some tokenizer_config.json files leave the tokenizer class to the model's config)
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "vocab.txt", "*.model", "*.tiktoken", "config.json"]
 
 
-def _hub_tokenizer_dir(repo_id: str) -> Optional[Path]:
-    """The tokenizer files of a hub model, downloaded once into the Hugging Face cache (or found there
-    offline); None when the hub does not serve them, and transformers then gets its own try."""
+def _hub_tokenizer_dir(repo_id: str) -> tuple[Optional[Path], str]:
+    """(the tokenizer files of a hub model, downloaded once into the Hugging Face cache or found there
+    offline, ""), or (None, the hub's reason in one line) when it does not serve them."""
     try:
         from huggingface_hub import snapshot_download
-        return Path(snapshot_download(repo_id, allow_patterns=TOKENIZER_FILES))
-    except Exception:
-        return None
+        return Path(snapshot_download(repo_id, allow_patterns=TOKENIZER_FILES)), ""
+    except Exception as e:   # offline, unknown repo, gated: all one answer here
+        return None, (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
 def load_tokenizer(name_or_path: str, offline_hint: str = "") -> Tokenizer:
     directory = Path(name_or_path).expanduser()
-    # a path, not a hub id ("org/name"): it starts like one, has more than one "/", or its parent exists here
-    path_like = (name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
-                 or (directory.parent != Path(".") and directory.parent.is_dir()))
+    # a path, not a hub id ("name" or "org/name"): it starts like one, or has more than one "/"
+    path_like = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
     if directory.is_file():
         raise FastpplError(f"{name_or_path}: is a file; --tokenizer takes a tokenizer directory (tokenizer.json, "
                            "or vocab.json + merges.txt)")
     if path_like and not directory.exists():
         raise FastpplError(f"{name_or_path}: no such tokenizer directory; check --tokenizer")
     if not directory.exists():
-        hub_directory = _hub_tokenizer_dir(name_or_path)
+        hub_directory, reason = _hub_tokenizer_dir(name_or_path)
         if hub_directory is None:   # transformers would only try the hub again, with slow retries
             raise FastpplError(f"unknown tokenizer {name_or_path!r}: not a local directory, and the hub did not "
-                               f"serve it; pass --tokenizer PATH to a local tokenizer directory{offline_hint}")
+                               f"serve it ({reason}); pass --tokenizer PATH to a local tokenizer directory"
+                               f"{offline_hint}")
         directory = hub_directory
     if (directory / "tokenizer.json").is_file():
         fast = _load_tokenizer_json(directory, name_or_path)

@@ -73,7 +73,7 @@ def resolve_checkpoint_dir(spec: str) -> Path:
         return path
     if path.exists():
         raise FastpplError(f"{spec}: is a file; --model takes a checkpoint directory (config.json + weights)")
-    if spec.startswith((".", "/", "~")) or spec.count("/") > 1 or (path.parent != Path(".") and path.parent.is_dir()):
+    if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
         raise FastpplError(f"{spec}: no such model directory; check --model")
     try:
         from huggingface_hub import snapshot_download
