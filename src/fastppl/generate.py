@@ -32,7 +32,6 @@ from .models.attention import MASKED_ATTENTION
 from .models.kv_cache import CacheStep, ensure_kv_cache, supports_kv_cache
 
 CACHE_LEN_MULTIPLE = 64   # cache lengths rounded up to this, so that nearby lengths share a compiled graph
-CACHE_WRITES = ("index_copy", "per_row")
 DECODE_ENV = "FASTPPL_DECODE"   # e.g. "attention=matmul,cache_write=index_copy,attend_bucket=64"
 
 
@@ -53,9 +52,8 @@ class DecodeOptions:
         if self.attention not in MASKED_ATTENTION:
             raise FastpplError(f"{DECODE_ENV}: attention must be one of {', '.join(MASKED_ATTENTION)}, "
                                f"got {self.attention!r}")
-        if self.cache_write not in CACHE_WRITES:
-            raise FastpplError(f"{DECODE_ENV}: cache_write must be one of {', '.join(CACHE_WRITES)}, "
-                               f"got {self.cache_write!r}")
+        if self.cache_write not in ("index_copy", "per_row"):
+            raise FastpplError(f"{DECODE_ENV}: cache_write must be index_copy or per_row, got {self.cache_write!r}")
         if self.attend_bucket < 0:
             raise FastpplError(f"{DECODE_ENV}: attend_bucket must be >= 0, got {self.attend_bucket}")
 
@@ -70,7 +68,7 @@ class DecodeOptions:
                 fields[key] = value
             elif key == "attend_bucket":
                 if not value.isdigit():
-                    raise FastpplError(f"{DECODE_ENV}: {key} must be an integer >= 0, got {value!r}")
+                    raise FastpplError(f"{DECODE_ENV}: attend_bucket must be an integer >= 0, got {value!r}")
                 fields[key] = int(value)
             elif key in ("additive_mask", "dynamic"):
                 if value.lower() not in ("0", "1", "true", "false", "none"):
@@ -184,7 +182,7 @@ def decode_one_token(
     if additive_mask:
         dtype = next(model.parameters()).dtype
         mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -math.inf)
-    slots = input_pos.expand(B, 1) if cache_write == "per_row" else input_pos   # (B, 1) or (1,)
+    slots = input_pos if cache_write == "index_copy" else input_pos.expand(B, 1)   # (1,) or (B, 1)
     step = CacheStep(slots=slots, mask=mask, attention=attention)
     hidden = model(token, positions, cache_step=step)
     next_token = sample(_logits(model, hidden), temperature, top_k, top_p)
@@ -198,16 +196,15 @@ _compiled_decode: dict = {}   # torch.compile's dynamic -> the compiled decode_o
 def compiled_decode_one_token(dynamic: Optional[bool] = None):
     """decode_one_token under torch.compile with Inductor's CUDA graphs (mode="reduce-overhead"), compiled
     once per process, per shape."""
-    key = dynamic
-    if key not in _compiled_decode:
+    if dynamic not in _compiled_decode:
         import os
         from .config import cache_dir
         # kept across runs, as for the scorer (fastppl.accel.compile)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
         os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
-        _compiled_decode[key] = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True,
-                                              dynamic=dynamic)
-    return _compiled_decode[key]
+        _compiled_decode[dynamic] = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True,
+                                                  dynamic=dynamic)
+    return _compiled_decode[dynamic]
 
 
 @dataclass
@@ -282,21 +279,36 @@ def generate(
     pad = torch.from_numpy(pad_np).to(device)
     token = prefill(model, ids, pad, cache_len, sampling)
     finished = token == eos
+    outputs = [token]
     _synchronize(device)
     time_to_first_token = time.perf_counter() - started
 
-    input_pos = torch.tensor([P], dtype=torch.int64, device=device)
-    fixed = (eos, sampling.temperature, sampling.top_k, sampling.top_p, decode.attention, decode.additive_mask,
-             decode.cache_write)
-    n_steps = max_new_tokens - 1
     step_fn = compiled_decode_one_token(decode.dynamic) if compile else decode_one_token
-    steps, warmup_steps, warmup_seconds, decode_seconds, blocks = _decode_per_step(
-        step_fn, model, token, finished, input_pos, pad, P, cache_len, decode, fixed, n_steps,
-        warmup_steps=min(2, n_steps) if compile else 0, graphs=compile and device.type == "cuda",
-        check_stop=eos != no_eos, stop_check_every=stop_check_every)
-    outputs = [token[:, None]] + blocks
+    warmup_steps = min(2, max_new_tokens - 1) if compile else 0   # compile + CUDA graph capture
+    input_pos = torch.tensor([P], dtype=torch.int64, device=device)
+    steps, warmup_seconds = 0, 0.0
+    decode_started = time.perf_counter()
+    while steps < max_new_tokens - 1:
+        if compile and device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+        token, finished = step_fn(model, token[:, None], input_pos, pad, finished,
+                                  decode.attend_len(P + steps, cache_len), eos, sampling.temperature,
+                                  sampling.top_k, sampling.top_p, decode.attention, decode.additive_mask,
+                                  decode.cache_write)
+        token, finished = token.clone(), finished.clone()   # a graph's outputs are overwritten by its next replay
+        input_pos += 1
+        outputs.append(token)
+        steps += 1
+        if steps == warmup_steps:
+            _synchronize(device)
+            warmup_seconds = time.perf_counter() - decode_started
+            decode_started = time.perf_counter()
+        if eos != no_eos and steps % stop_check_every == 0 and bool(finished.all()):
+            break
+    _synchronize(device)
+    decode_seconds = time.perf_counter() - decode_started
 
-    new_tokens = torch.cat(outputs, dim=1).cpu().tolist()                     # (B, steps + 1)
+    new_tokens = torch.stack(outputs, dim=1).cpu().tolist()                   # (B, steps + 1)
     tokens, stopped = [], []
     for row in new_tokens:
         if eos in row:
@@ -305,35 +317,9 @@ def generate(
         stopped.append(eos != no_eos and row[-1] == eos)
     return Generation(
         tokens=tokens, prompt_lengths=[len(p) for p in prompts], time_to_first_token=time_to_first_token,
-        decode_steps=steps, decode_seconds=decode_seconds, decode_warmup_steps=warmup_steps,
+        decode_steps=steps, decode_seconds=decode_seconds, decode_warmup_steps=min(warmup_steps, steps),
         decode_warmup_seconds=warmup_seconds, compiled=compile, finished=stopped,
     )
-
-
-def _decode_per_step(step_fn, model, token, finished, input_pos, pad, P, cache_len, decode, fixed, n_steps,
-                     warmup_steps, graphs, check_stop, stop_check_every):
-    """One step_fn call per token (with graphs: one CUDA graph replay each). Returns steps run, warm-up steps,
-    warm-up seconds, timed seconds and the (B, 1) new tokens of each step."""
-    device = token.device
-    blocks, steps, warmup_seconds = [], 0, 0.0
-    decode_started = time.perf_counter()
-    while steps < n_steps:
-        if graphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        token, finished = step_fn(model, token[:, None], input_pos, pad, finished,
-                                  decode.attend_len(P + steps, cache_len), *fixed)
-        token, finished = token.clone(), finished.clone()   # a graph's outputs are overwritten by its next replay
-        input_pos += 1
-        blocks.append(token[:, None])
-        steps += 1
-        if steps == warmup_steps:
-            _synchronize(device)
-            warmup_seconds = time.perf_counter() - decode_started
-            decode_started = time.perf_counter()
-        if check_stop and steps % stop_check_every == 0 and bool(finished.all()):
-            break
-    _synchronize(device)
-    return steps, min(warmup_steps, steps), warmup_seconds, time.perf_counter() - decode_started, blocks
 
 
 def benchmark_generate(model: nn.Module, batch_size: int = 1, prompt_length: int = 16, new_tokens: int = 256,
