@@ -8,3 +8,10 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 class FastpplError(Exception):
     """Bad input or configuration. The message is shown to the user as is, without a traceback."""
+
+
+def first_line(error: BaseException, limit: int = 200) -> str:
+    """The first line of an error's message (its type name when it has none), at most limit characters:
+    what a one-line FastpplError quotes of a library's exception."""
+    text = str(error).strip()
+    return (text.splitlines()[0] if text else type(error).__name__)[:limit]

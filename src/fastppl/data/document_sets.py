@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from ..errors import FastpplError
+from ..errors import FastpplError, first_line
 from .corpus import Document, decode_utf8, read_bytes
 
 HF_PREFIX = "hf:"
@@ -67,9 +67,8 @@ def hf_documents(source: str, text_field: str) -> list[Document]:
     try:
         dataset = datasets.load_dataset(name, config, split=split)
     except Exception as e:  # datasets raises many types for offline, unknown names, configs and splits
-        first_line = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise FastpplError(
-            f"--data {source}: cannot load dataset {name!r} (config {config}, split {split}): {first_line}; "
+            f"--data {source}: cannot load dataset {name!r} (config {config}, split {split}): {first_line(e)}; "
             "offline, it must already be in the datasets cache (HF_DATASETS_OFFLINE=1)"
         ) from None
     columns = list(dataset.column_names)

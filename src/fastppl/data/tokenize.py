@@ -11,7 +11,7 @@ from typing import Optional
 import numpy as np
 
 from ..config import cache_dir
-from ..errors import FastpplError
+from ..errors import FastpplError, first_line
 
 
 @dataclass
@@ -88,7 +88,7 @@ def _hub_tokenizer_dir(repo_id: str) -> tuple[Optional[Path], str]:
         from huggingface_hub import snapshot_download
         return Path(snapshot_download(repo_id, allow_patterns=TOKENIZER_FILES)), ""
     except Exception as e:   # offline, unknown repo, gated: all one answer here
-        return None, (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        return None, first_line(e)
 
 
 def load_tokenizer(name_or_path: str, offline_hint: str = "") -> Tokenizer:
@@ -115,9 +115,8 @@ def load_tokenizer(name_or_path: str, offline_hint: str = "") -> Tokenizer:
     try:
         hf = AutoTokenizer.from_pretrained(str(directory), use_fast=True)
     except Exception as e:  # transformers raises many types for missing/offline/corrupt tokenizers
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise FastpplError(
-            f"cannot load tokenizer {name_or_path!r} ({first_line[:200]}); "
+            f"cannot load tokenizer {name_or_path!r} ({first_line(e)}); "
             f"pass --tokenizer PATH to a local tokenizer directory{offline_hint}"
         ) from None
     if len(hf.get_vocab()) <= len(set(hf.all_special_ids)):

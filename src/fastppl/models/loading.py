@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..errors import FastpplError
+from ..errors import FastpplError, first_line
 from .gpt2 import GPT2, PRESETS
 from .hf_backend import HFCausalLM
 from .hf_convert import (LLAMA_MODEL_TYPES, gpt2_config_from_hf, gpt2_config_to_hf, gpt2_native_gaps,
@@ -82,9 +82,9 @@ def resolve_checkpoint_dir(spec: str) -> Path:
             ignore_patterns=["*onnx*", "*tflite*", "*flax*", "*msgpack*", "*.h5"],
         ))
     except Exception as e:
-        first_line = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        reason = first_line(e)
         raise FastpplError(
-            f"unknown model {spec!r}: not a local directory, and the hub did not serve it ({first_line}); "
+            f"unknown model {spec!r}: not a local directory, and the hub did not serve it ({reason}); "
             f"offline, pass --model PATH to a checkpoint directory, or random:gpt2 for random weights"
         ) from None
 
@@ -114,9 +114,8 @@ def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
             else:
                 state.update(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
         except Exception as e:
-            first_line = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
             raise FastpplError(
-                f"{file}: cannot be read as a checkpoint ({first_line}); the file is corrupt or truncated, "
+                f"{file}: cannot be read as a checkpoint ({first_line(e, 160)}); the file is corrupt or truncated, "
                 "download it again"
             ) from None
     return state
@@ -134,9 +133,8 @@ def _load_hf(directory: Path, dtype: torch.dtype) -> HFCausalLM:
         hf_model, loading_info = AutoModelForCausalLM.from_pretrained(
             str(directory), dtype=dtype, output_loading_info=True)
     except Exception as e:
-        first_line = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise FastpplError(
-            f"{directory}: transformers cannot load it ({first_line}); the checkpoint is corrupt or of an "
+            f"{directory}: transformers cannot load it ({first_line(e)}); the checkpoint is corrupt or of an "
             "unsupported architecture"
         ) from None
     finally:
