@@ -2,8 +2,9 @@
 same weights and the same prompts.
 
 Peers (greedy; B random prompts of P tokens, seeded; exactly N new tokens per row, no end-of-text stop):
-  fastppl      fastppl.generate: static KV cache; on CUDA the decode step compiled with CUDA graphs
-               (torch.compile mode="reduce-overhead"), eager on the CPU
+  fastppl      fastppl.generate: static KV cache; on CUDA the fused Triton decode step (batch <= 8) or
+               the decode step compiled with CUDA graphs (torch.compile mode="reduce-overhead"), each
+               replayed as CUDA graphs; eager on the CPU. The row's note says which ran
   hf-static    transformers generate(cache_implementation="static"). On CUDA transformers compiles its
                decode forward itself (torch.compile, mode "reduce-overhead"), as its docs recommend; on the
                CPU it does not compile
@@ -71,18 +72,19 @@ def _first_token_clock(device: torch.device, batch_size: int):
 
 
 def _run_fastppl(model: nn.Module, prompts: list[list[int]], new_tokens: int,
-                 device: torch.device) -> tuple[float, float, float, list[list[int]]]:
-    """(time to first token, decode seconds, wall seconds, new tokens) of one fastppl generate call."""
+                 device: torch.device) -> tuple[float, float, float, list[list[int]], str]:
+    """(time to first token, decode seconds, wall seconds, new tokens, which decode step ran) of one
+    fastppl generate call."""
     from .generate import Sampling, generate
     _sync(device)
     started = time.perf_counter()
     result = generate(model, prompts, new_tokens, Sampling(), eos_id=None)   # ends synchronised, on the host
     wall = time.perf_counter() - started
-    return result.time_to_first_token, wall - result.time_to_first_token, wall, result.tokens
+    return result.time_to_first_token, wall - result.time_to_first_token, wall, result.tokens, result.decode_step
 
 
 def _run_hf(hf: nn.Module, prompts: torch.Tensor, new_tokens: int, static: bool,
-            device: torch.device) -> tuple[float, float, float, list[list[int]]]:
+            device: torch.device) -> tuple[float, float, float, list[list[int]], str]:
     """The same for one transformers generate call."""
     from transformers import StoppingCriteriaList
     B, P = prompts.shape
@@ -100,7 +102,9 @@ def _run_hf(hf: nn.Module, prompts: torch.Tensor, new_tokens: int, static: bool,
     assert out.shape == (B, P + new_tokens), f"transformers stopped early: {tuple(out.shape)}"
     assert clock.first_token_time is not None
     first = clock.first_token_time - started
-    return first, finished - clock.first_token_time, finished - started, tokens
+    note = ("static cache, " if static else "dynamic cache, ") + (
+        "compiled" if static and hasattr(hf, "_compiled_call") else "eager")   # transformers compiled its forward
+    return first, finished - clock.first_token_time, finished - started, tokens, note
 
 
 def token_agreement(reference: Sequence[Sequence[int]], other: Sequence[Sequence[int]]) -> tuple[float, float]:
@@ -131,7 +135,6 @@ def time_generation(native: nn.Module, hf: Optional[nn.Module], prompts: torch.T
         if name == "fastppl":
             run = lambda: _run_fastppl(native, prompt_lists, new_tokens, device)
             compiled = device.type == "cuda"
-            note = "compiled decode step, CUDA graphs" if compiled else "eager"
         else:
             static = name == "hf-static"
             run = lambda static=static: _run_hf(hf, prompts, new_tokens, static, device)
@@ -144,8 +147,7 @@ def time_generation(native: nn.Module, hf: Optional[nn.Module], prompts: torch.T
         run()                                   # compiles, captures graphs, allocates caches
         warmup_seconds = time.perf_counter() - warm_started
         if name != "fastppl":
-            compiled = static and hasattr(hf, "_compiled_call")   # transformers compiled its forward
-            note = ("static cache, " if static else "dynamic cache, ") + ("compiled" if compiled else "eager")
+            compiled = static and hasattr(hf, "_compiled_call")
         timings = [run() for _ in range(repeats)]
         first = statistics.median(t[0] for t in timings)
         decode = statistics.median(t[1] for t in timings)
@@ -156,7 +158,7 @@ def time_generation(native: nn.Module, hf: Optional[nn.Module], prompts: torch.T
             decode_tokens_per_second=rate, wall_seconds=wall, end_to_end_tokens_per_second=B * new_tokens / wall,
             warmup_seconds=warmup_seconds, compiled=compiled,
             working_memory_bytes=(torch.cuda.max_memory_allocated(device) - resident) if device.type == "cuda" else None,
-            note=note, tokens=timings[-1][3],
+            note=timings[-1][4], tokens=timings[-1][3],
         )
         if name == "fastppl":
             from .models.kv_cache import remove_kv_cache
@@ -165,7 +167,7 @@ def time_generation(native: nn.Module, hf: Optional[nn.Module], prompts: torch.T
             row["distinct_new_tokens"] = len({t for tokens in row["tokens"] for t in tokens})
         rows.append(row)
         log(f"batch {B:<4} {name:<11} {rate:>12,.0f} decode tok/s  first token {first * 1000:8.1f} ms  "
-            f"(warm-up {warmup_seconds:.1f} s)  {note}")
+            f"(warm-up {warmup_seconds:.1f} s)  {row['note']}")
     reference = next((r["tokens"] for r in rows if r["name"] == "fastppl"), None)
     for row in rows:
         if reference is not None and row["name"] != "fastppl":

@@ -12,8 +12,9 @@ start at its first real token:
 A padding query attends to itself only (never to nothing, which would make NaN that then leaks into
 the real rows' attention through 0 * NaN).
 
-On CUDA, decode_one_token is compiled with mode="reduce-overhead" (CUDA graphs): one graph replay per
-token. On the CPU everything runs eagerly.
+On CUDA, a greedy GPT-2 at small batch decodes through fastppl.accel.fused_decode (Triton kernels, 5 a
+layer, one CUDA graph replay per token); other models, batches and sampling run decode_one_token compiled with
+mode="reduce-overhead" (Inductor's CUDA graphs). On the CPU everything runs eagerly.
 """
 from __future__ import annotations
 
@@ -32,13 +33,15 @@ from .models.attention import MASKED_ATTENTION
 from .models.kv_cache import CacheStep, ensure_kv_cache, supports_kv_cache
 
 CACHE_LEN_MULTIPLE = 64   # cache lengths rounded up to this, so that nearby lengths share a compiled graph
-DECODE_ENV = "FASTPPL_DECODE"   # e.g. "attention=matmul,cache_write=index_copy,attend_bucket=64"
+DECODE_ENV = "FASTPPL_DECODE"   # e.g. "fused=0,attention=matmul,cache_write=index_copy,attend_bucket=64"
 
 
 @dataclass(frozen=True)
 class DecodeOptions:
     """How the decode step computes; every choice gives the same tokens in fp32 (tests/test_generate.py).
-    The defaults come from the environment variable FASTPPL_DECODE (DecodeOptions.from_env)."""
+    The defaults come from the environment variable FASTPPL_DECODE (DecodeOptions.from_env).
+    All but `fused` apply to the compiled step, which fused=False selects where the fused one could run."""
+    fused: bool = True               # Triton decode step (fastppl.accel.fused_decode) where it supports the model
     attention: str = "sdpa"          # masked_attention's kernel: sdpa, matmul or reduction
     additive_mask: bool = False      # the mask as a float 0 / -inf tensor, built once a step, not bool
     # index_copy: every row writes the same slot (index_copy_); per_row: each row its own (index_put_)
@@ -70,12 +73,12 @@ class DecodeOptions:
                 if not value.isdigit():
                     raise FastpplError(f"{DECODE_ENV}: attend_bucket must be an integer >= 0, got {value!r}")
                 fields[key] = int(value)
-            elif key in ("additive_mask", "dynamic"):
+            elif key in ("fused", "additive_mask", "dynamic"):
                 if value.lower() not in ("0", "1", "true", "false", "none"):
                     raise FastpplError(f"{DECODE_ENV}: {key} must be true, false (or none for dynamic), got {value!r}")
                 fields[key] = None if value.lower() == "none" else value.lower() in ("1", "true")
             else:
-                raise FastpplError(f"{DECODE_ENV}: unknown option {key!r}; use attention, additive_mask, "
+                raise FastpplError(f"{DECODE_ENV}: unknown option {key!r}; use fused, attention, additive_mask, "
                                    "cache_write, attend_bucket, dynamic")
         return cls(**fields)
 
@@ -218,6 +221,7 @@ class Generation:
     decode_warmup_seconds: float
     compiled: bool
     finished: list[bool] = field(default_factory=list)   # stopped at end-of-text
+    decode_step: str = ""              # which decode step ran (DECODE_STEPS), and why not the fused one
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -233,6 +237,7 @@ class Generation:
             decode_seconds=self.decode_seconds, decode_warmup_steps=self.decode_warmup_steps,
             decode_warmup_seconds=self.decode_warmup_seconds,
             decode_tokens_per_second=self.decode_tokens_per_second, compiled=self.compiled,
+            decode_step=self.decode_step,
         )
 
 
@@ -283,32 +288,41 @@ def generate(
     _synchronize(device)
     time_to_first_token = time.perf_counter() - started
 
-    step_fn = compiled_decode_one_token(decode.dynamic) if compile else decode_one_token
+    decode_step, fused = _choose_decode_step(model, device, compile, decode, sampling, B)
+    if fused:
+        from .accel.fused_decode import fused_decoder
+        decoder = fused_decoder(model)           # kept with the cache, CUDA graph and all, for the next call
+        decoder.start(token, pad, P, eos)
+    step_fn = compiled_decode_one_token(decode.dynamic) if compile and not fused else decode_one_token
     warmup_steps = min(2, max_new_tokens - 1) if compile else 0   # compile + CUDA graph capture
     input_pos = torch.tensor([P], dtype=torch.int64, device=device)
     steps, warmup_seconds = 0, 0.0
     decode_started = time.perf_counter()
     while steps < max_new_tokens - 1:
-        if compile and device.type == "cuda":
-            torch.compiler.cudagraph_mark_step_begin()
-        token, finished = step_fn(model, token[:, None], input_pos, pad, finished,
-                                  decode.attend_len(P + steps, cache_len), eos, sampling.temperature,
-                                  sampling.top_k, sampling.top_p, decode.attention, decode.additive_mask,
-                                  decode.cache_write)
-        token, finished = token.clone(), finished.clone()   # a graph's outputs are overwritten by its next replay
-        input_pos += 1
-        outputs.append(token)
+        if fused:
+            decoder.step()                        # records its token on the device
+        else:
+            if compile and device.type == "cuda":
+                torch.compiler.cudagraph_mark_step_begin()
+            token, finished = step_fn(model, token[:, None], input_pos, pad, finished,
+                                      decode.attend_len(P + steps, cache_len), eos, sampling.temperature,
+                                      sampling.top_k, sampling.top_p, decode.attention, decode.additive_mask,
+                                      decode.cache_write)
+            token, finished = token.clone(), finished.clone()   # a graph's outputs are overwritten by its next replay
+            input_pos += 1
+            outputs.append(token)
         steps += 1
         if steps == warmup_steps:
             _synchronize(device)
             warmup_seconds = time.perf_counter() - decode_started
             decode_started = time.perf_counter()
-        if eos != no_eos and steps % stop_check_every == 0 and bool(finished.all()):
+        if eos != no_eos and steps % stop_check_every == 0 and (
+                decoder.all_finished() if fused else bool(finished.all())):
             break
     _synchronize(device)
     decode_seconds = time.perf_counter() - decode_started
 
-    new_tokens = torch.stack(outputs, dim=1).cpu().tolist()                   # (B, steps + 1)
+    new_tokens = (decoder.new_tokens(steps) if fused else torch.stack(outputs, dim=1)).cpu().tolist()  # (B, steps + 1)
     tokens, stopped = [], []
     for row in new_tokens:
         if eos in row:
@@ -318,8 +332,24 @@ def generate(
     return Generation(
         tokens=tokens, prompt_lengths=[len(p) for p in prompts], time_to_first_token=time_to_first_token,
         decode_steps=steps, decode_seconds=decode_seconds, decode_warmup_steps=min(warmup_steps, steps),
-        decode_warmup_seconds=warmup_seconds, compiled=compile, finished=stopped,
+        decode_warmup_seconds=warmup_seconds, compiled=compile, finished=stopped, decode_step=decode_step,
     )
+
+
+def _choose_decode_step(model: nn.Module, device: torch.device, compile: bool, decode: DecodeOptions,
+                        sampling: Sampling, batch: int) -> tuple[str, bool]:
+    """(what the report says about the decode step, whether it is the fused one)."""
+    if not compile:
+        return "eager", False
+    if device.type != "cuda":
+        return "torch.compile", False
+    if not decode.fused:
+        return f"torch.compile, CUDA graphs ({DECODE_ENV} fused=0)", False
+    from .accel.fused_decode import fused_decode_unsupported
+    reason = fused_decode_unsupported(model, sampling.temperature, batch)
+    if reason is not None:
+        return f"torch.compile, CUDA graphs ({reason})", False
+    return "fused Triton kernels, one CUDA graph per token", True
 
 
 def benchmark_generate(model: nn.Module, batch_size: int = 1, prompt_length: int = 16, new_tokens: int = 256,
@@ -415,6 +445,6 @@ def generation_summary(result: dict) -> str:
     lines.append(
         f"speed       time to first token {result['time_to_first_token_seconds'] * 1000:.1f} ms, decode "
         f"{result['decode_tokens_per_second']:,.0f} tokens/s ({len(result['completions'])} row(s) x "
-        f"{result['decode_steps']} steps, compiled {'yes' if result['compiled'] else 'no'}, "
+        f"{result['decode_steps']} steps, decode step: {result['decode_step']}, "
         f"{result['environment']['device_name']})")
     return "\n".join(lines)

@@ -28,6 +28,17 @@ ROWS_PER_PROGRAM = 4
 if triton is not None:
 
     @triton.jit
+    def layer_norm_rows(x, ok, weight_ptr, bias_ptr, cols, col_ok, C, eps):
+        """LayerNorm of rows held in registers: x (R, BLOCK_C) fp32, 0 where not ok; mean, then the
+        variance of the centred row (as torch computes it), fp32; weight and bias at cols."""
+        mean = tl.sum(x, axis=1) / C
+        centred = tl.where(ok, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / C + eps)
+        weight = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        return centred * rstd[:, None] * weight[None, :] + bias[None, :]
+
+    @triton.jit
     def _add_layer_norm_kernel(x_ptr, delta_ptr, sum_ptr, out_ptr, weight_ptr, bias_ptr, n_rows, delta_rows, C,
                                eps, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -42,13 +53,7 @@ if triton is not None:
         delta = tl.load(delta_ptr + delta_offsets, mask=ok, other=0.0).to(tl.float32)
         total = (x + delta).to(sum_ptr.dtype.element_ty)          # rounded as the eager add rounds
         tl.store(sum_ptr + offsets, total, mask=ok)
-        total = total.to(tl.float32)
-        mean = tl.sum(total, axis=1) / C
-        centred = tl.where(ok, total - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / C + eps)
-        weight = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        normed = centred * rstd[:, None] * weight[None, :] + bias[None, :]
+        normed = layer_norm_rows(total.to(tl.float32), ok, weight_ptr, bias_ptr, cols, col_ok, C, eps)
         tl.store(out_ptr + offsets, normed.to(out_ptr.dtype.element_ty), mask=ok)
 
 

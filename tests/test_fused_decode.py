@@ -1,0 +1,171 @@
+"""The fused Triton decode step (fastppl.accel.fused_decode) against the eager decode step and against the
+model's own forward. On CUDA the kernels run for real, in CUDA graphs; without a GPU they run only under
+Triton's interpreter (TRITON_INTERPRET=1 with triton installed), so CI, which has neither, skips this file."""
+import os
+
+import pytest
+import torch
+
+from fastppl import generate as G
+from fastppl.models.gpt2 import GPT2, GPT2Config
+from fastppl.models.kv_cache import setup_kv_cache
+
+import fastppl.accel.fused_decode as fused_decode   # imports without Triton too (CPU-only installs)
+
+if fused_decode.triton is None:
+    pytest.skip("Triton is not installed", allow_module_level=True)
+CUDA = torch.cuda.is_available()
+if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no GPU; set TRITON_INTERPRET=1 to run the kernels in Triton's interpreter",
+                allow_module_level=True)
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+pytestmark = pytest.mark.gpu if CUDA else []
+
+# small enough for the interpreter; the vocabulary is not a multiple of any tile, so every tail is masked
+TINY = GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=256, vocab_size=1000)
+# GPT-2's own widths (two layers), on the GPU only
+GPT2_WIDTHS = GPT2Config(n_layer=2, n_head=12, n_embd=768)
+
+
+def sharp_model(config: GPT2Config, dtype=torch.float32, seed: int = 0) -> GPT2:
+    """Random weights scaled up, so that the logits are peaked and a greedy tie in fp32 is unlikely."""
+    model = GPT2(config)
+    model.init_weights(torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if not name.startswith("blocks.") or name.endswith("weight"):
+                parameter.mul_(3.0)
+    return model.eval().to(DEVICE, dtype)
+
+
+def prompts_of(lengths, vocab, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+def fused_tokens(model, prompts, new_tokens, eos_id=-1, keep_logits=False):
+    """(new tokens (B, new_tokens) as lists, the decoder) through prefill + the fused step."""
+    ids, pad = G.left_pad(prompts, pad_id=0)
+    B, P = ids.shape
+    cache_len = -(-(P + new_tokens) // G.CACHE_LEN_MULTIPLE) * G.CACHE_LEN_MULTIPLE
+    setup_kv_cache(model, B, cache_len)
+    with torch.inference_mode():
+        ids, pad = torch.from_numpy(ids).to(DEVICE), torch.from_numpy(pad).to(DEVICE)
+        first = G.prefill(model, ids, pad, cache_len, G.Sampling())
+        decoder = fused_decode.FusedGPT2Decoder(model, keep_logits=keep_logits)
+        decoder.start(first, pad, P, eos_id)
+        for _ in range(new_tokens - 1):
+            decoder.step()
+        return decoder.new_tokens(new_tokens - 1).tolist(), decoder
+
+
+@pytest.mark.parametrize("lengths", [[5], [3, 9, 1, 6][:fused_decode.MAX_BATCH]], ids=["batch1", "batch-max-padded"])
+def test_fused_greedy_tokens_equal_the_eager_decode_step(lengths):
+    model = sharp_model(TINY)
+    prompts = prompts_of(lengths, TINY.vocab_size)
+    new_tokens = 10
+    reference = G.generate(model, prompts, new_tokens, compile=False)
+    tokens, _ = fused_tokens(model, prompts, new_tokens)
+    assert tokens == reference.tokens
+
+
+def test_fused_step_stops_a_row_at_end_of_text_like_the_eager_step():
+    model = sharp_model(TINY)
+    prompts = prompts_of([4, 6], TINY.vocab_size, seed=3)
+    free = G.generate(model, prompts, 10, compile=False).tokens
+    eos = free[0][4]                        # a token row 0 emits mid-way: row 0 stops there
+    reference = G.generate(model, prompts, 10, eos_id=eos, compile=False)
+    tokens, decoder = fused_tokens(model, prompts, 10, eos_id=eos)
+    for row, expected in zip(tokens, reference.tokens):
+        cut = row[:row.index(eos) + 1] if eos in row else row
+        assert cut == expected
+        assert all(t == eos for t in row[len(cut):])      # a finished row keeps emitting eos
+    assert bool(decoder.finished[0])
+
+
+def _reference_logits(model, prompts, new_tokens):
+    """fp32 logits predicting each row's last token of prompt + new_tokens[:-1], from a plain uncached
+    forward of the row's real tokens (no padding: that is what the padded, cached step must reproduce)."""
+    rows = []
+    with torch.inference_mode():
+        for prompt, new in zip(prompts, new_tokens):
+            ids = torch.tensor([prompt + new[:-1]], device=DEVICE)
+            rows.append(G._logits(model, model(ids))[0])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if CUDA else []))
+def test_fused_logits_match_the_models_forward(dtype):
+    config = GPT2_WIDTHS if CUDA else TINY
+    model = sharp_model(config, dtype)
+    prompts = prompts_of([7, 3], config.vocab_size)
+    tokens, decoder = fused_tokens(model, prompts, 6, keep_logits=True)
+    # the logits of the last step predict token 6 from prompt + tokens[:5]
+    reference = _reference_logits(sharp_model(config, torch.float32), prompts, [t[:6] for t in tokens])
+    scale = reference.abs().max().item()
+    # fp32: summation order only; bf16: weights rounded to bf16 (the fused step keeps activations fp32)
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    assert (decoder.logits - reference).abs().max().item() <= tolerance * scale
+    if dtype == torch.float32:
+        assert decoder.logits.argmax(-1).tolist() == [t[5] for t in tokens]
+
+
+@pytest.mark.skipif(not CUDA, reason="generate() takes the fused step on CUDA only")
+@pytest.mark.parametrize("batch", sorted({1, fused_decode.MAX_BATCH}))
+def test_generate_on_cuda_takes_the_fused_step_and_matches_the_compiled_one(batch):
+    model = sharp_model(GPT2_WIDTHS)
+    prompts = prompts_of([3 + i % 11 for i in range(batch)], GPT2_WIDTHS.vocab_size)
+    fused = G.generate(model, prompts, 40)
+    assert fused.decode_step.startswith("fused")
+    again = G.generate(model, prompts, 40)            # the decoder and its graph are reused
+    compiled = G.generate(model, prompts, 40, decode=G.DecodeOptions(fused=False))
+    assert compiled.decode_step.startswith("torch.compile")
+    assert fused.tokens == again.tokens == compiled.tokens
+
+
+@pytest.mark.skipif(not CUDA, reason="generate() takes the fused step on CUDA only")
+def test_generate_on_cuda_says_why_a_large_batch_runs_the_compiled_step():
+    model = sharp_model(TINY)
+    prompts = prompts_of([4] * (fused_decode.MAX_BATCH + 1), TINY.vocab_size)
+    result = G.generate(model, prompts, 8)
+    assert result.decode_step.startswith("torch.compile") and "batch" in result.decode_step
+    assert result.tokens == G.generate(model, prompts, 8, compile=False).tokens
+
+
+@pytest.mark.skipif(not CUDA, reason="generate() takes the fused step on CUDA only")
+def test_generate_reuses_the_decoder_across_calls_and_end_of_text_ids():
+    model = sharp_model(GPT2_WIDTHS)
+    prompts = prompts_of([4, 9], GPT2_WIDTHS.vocab_size, seed=5)
+    free = G.generate(model, prompts, 24)
+    decoder = fused_decode.fused_decoder(model)
+    eos = free.tokens[1][10]
+    stopped = G.generate(model, prompts, 24, eos_id=eos)
+    assert fused_decode.fused_decoder(model) is decoder
+    assert stopped.tokens == G.generate(model, prompts, 24, eos_id=eos, compile=False).tokens
+    assert stopped.finished[1]
+
+
+def test_fused_step_is_refused_for_sampling_large_batches_and_other_models():
+    from fastppl.models.llama import Llama, LlamaConfig
+    model = sharp_model(TINY)
+    setup_kv_cache(model, 1, 64)
+    assert fused_decode.fused_decode_unsupported(model, temperature=0.0) is None
+    assert "greedy" in fused_decode.fused_decode_unsupported(model, temperature=0.7)
+    assert "batch" in fused_decode.fused_decode_unsupported(model, 0.0, batch=fused_decode.MAX_BATCH + 1)
+    llama = Llama(LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, n_layer=1, n_head=2, n_kv_head=1))
+    assert "GPT-2" in fused_decode.fused_decode_unsupported(llama, temperature=0.0)
+
+
+def test_generate_loop_with_the_fused_step_gives_the_eager_tokens_and_stops(monkeypatch):
+    """generate()'s own loop around the fused step (warm-up timing, stop checks, token history), forced on
+    where it would not be chosen (the CPU under the interpreter), against the eager step."""
+    monkeypatch.setattr(G, "_choose_decode_step", lambda *args: ("fused (forced)", True))
+    model = sharp_model(TINY)
+    prompts = prompts_of([6, 2], TINY.vocab_size, seed=7)
+    free = G.generate(model, prompts, 12, compile=False).tokens
+    eos = free[1][3]
+    for eos_id in (None, eos):
+        expected = G.generate(model, prompts, 12, eos_id=eos_id, compile=False)
+        got = G.generate(model, prompts, 12, eos_id=eos_id, compile=True, stop_check_every=2)
+        assert got.decode_step == "fused (forced)"
+        assert got.tokens == expected.tokens and got.finished == expected.finished
