@@ -2,6 +2,12 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter on the CPU (it must be chosen before any kernel
+# is defined), so that the fused kernels' tests run in CI too (tests/test_fused_decode.py)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("FASTPPL_SHARED_DATA", ROOT.parent / "shared" / "data"))

@@ -1,6 +1,7 @@
 """The fused Triton decode step (fastppl.accel.fused_decode) against the eager decode step and against the
-model's own forward. On CUDA the kernels run for real, in CUDA graphs; without a GPU they run only under
-Triton's interpreter (TRITON_INTERPRET=1 with triton installed), so CI, which has neither, skips this file."""
+model's own forward. On CUDA the kernels run for real, in CUDA graphs; without a GPU they run in Triton's
+interpreter (conftest.py sets TRITON_INTERPRET=1; triton comes with the test extra), which checks their
+arithmetic and masks, not their speed or races between programs."""
 import os
 
 import pytest
@@ -145,6 +146,18 @@ def test_generate_reuses_the_decoder_across_calls_and_end_of_text_ids():
     assert stopped.finished[1]
 
 
+def test_a_reused_decoder_follows_weights_that_moved():
+    """A decoder (and its graph) is kept per cache; weights replaced by new tensors must not be read from
+    where they were."""
+    model = sharp_model(TINY)
+    setup_kv_cache(model, 1, 64)
+    decoder = fused_decode.fused_decoder(model)
+    assert fused_decode.fused_decoder(model) is decoder
+    with torch.no_grad():
+        model.blocks[0].mlp.fc.weight = torch.nn.Parameter(model.blocks[0].mlp.fc.weight.clone())
+    assert fused_decode.fused_decoder(model) is not decoder
+
+
 def test_fused_step_is_refused_for_sampling_large_batches_and_other_models():
     from fastppl.models.llama import Llama, LlamaConfig
     model = sharp_model(TINY)
@@ -152,6 +165,8 @@ def test_fused_step_is_refused_for_sampling_large_batches_and_other_models():
     assert fused_decode.fused_decode_unsupported(model, temperature=0.0) is None
     assert "greedy" in fused_decode.fused_decode_unsupported(model, temperature=0.7)
     assert "batch" in fused_decode.fused_decode_unsupported(model, 0.0, batch=fused_decode.MAX_BATCH + 1)
+    model.blocks[0].attn.proj.weight = torch.nn.Parameter(model.blocks[0].attn.proj.weight.t().contiguous().t())
+    assert "contiguous" in fused_decode.fused_decode_unsupported(model, 0.0)
     llama = Llama(LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, n_layer=1, n_head=2, n_kv_head=1))
     assert "GPT-2" in fused_decode.fused_decode_unsupported(llama, temperature=0.0)
 
@@ -162,10 +177,10 @@ def test_generate_loop_with_the_fused_step_gives_the_eager_tokens_and_stops(monk
     monkeypatch.setattr(G, "_choose_decode_step", lambda *args: ("fused (forced)", True))
     model = sharp_model(TINY)
     prompts = prompts_of([6, 2], TINY.vocab_size, seed=7)
-    free = G.generate(model, prompts, 12, compile=False).tokens
+    free = G.generate(model, prompts, 8, compile=False).tokens
     eos = free[1][3]
     for eos_id in (None, eos):
-        expected = G.generate(model, prompts, 12, eos_id=eos_id, compile=False)
-        got = G.generate(model, prompts, 12, eos_id=eos_id, compile=True, stop_check_every=2)
+        expected = G.generate(model, prompts, 8, eos_id=eos_id, compile=False)
+        got = G.generate(model, prompts, 8, eos_id=eos_id, compile=True, stop_check_every=2)
         assert got.decode_step == "fused (forced)"
         assert got.tokens == expected.tokens and got.finished == expected.finished

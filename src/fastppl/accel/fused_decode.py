@@ -213,6 +213,8 @@ def fused_decode_unsupported(model: nn.Module, temperature: float, batch: int = 
     head_dim = model.config.head_dim
     if head_dim & (head_dim - 1):
         return f"head size {head_dim} is not a power of two"
+    if not all(parameter.is_contiguous() for parameter in model.parameters()):
+        return "a weight is not contiguous (the kernels read rows of K)"
     if batch > MAX_BATCH:
         return f"batch {batch} > {MAX_BATCH}, where the compiled step is faster"
     if any(block.attn.kv_cache is None for block in model.blocks):
@@ -242,6 +244,7 @@ class FusedGPT2Decoder:
         assert reason is None, reason
         config = model.config
         self.model_ref = weakref.ref(model)
+        self.addresses = _addresses(model)
         B, C, self.cache_len = cache.k.shape[0], config.n_embd, cache.k.shape[2]
         device = cache.k.device
         self.batch = B
@@ -361,10 +364,17 @@ class FusedGPT2Decoder:
 _decoders: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+def _addresses(model: GPT2) -> tuple:
+    """Where the weights and caches a captured graph reads live: a graph must not outlive them."""
+    caches = [block.attn.kv_cache for block in model.blocks]
+    return tuple(p.data_ptr() for p in model.parameters()) + tuple(t.data_ptr() for c in caches for t in (c.k, c.v))
+
+
 def fused_decoder(model: GPT2) -> FusedGPT2Decoder:
-    """The decoder of the model's attached cache, built on first use and reused while the cache stays."""
+    """The decoder of the model's attached cache, built on first use and reused while the weights and
+    caches stay where its graph reads them."""
     cache = model.blocks[0].attn.kv_cache
     decoder = _decoders.get(cache)
-    if decoder is None or decoder.model_ref() is not model:
+    if decoder is None or decoder.model_ref() is not model or decoder.addresses != _addresses(model):
         decoder = _decoders[cache] = FusedGPT2Decoder(model)
     return decoder
