@@ -44,16 +44,18 @@ def prompts_of(lengths, vocab, seed=1):
     return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
-def fused_tokens(model, prompts, new_tokens, eos_id=-1, keep_logits=False):
-    """(new tokens (B, new_tokens) as lists, the decoder) through prefill + the fused step."""
+def fused_tokens(model, prompts, new_tokens, eos_id=-1, keep_logits=False, cache_len=None, decoder=None):
+    """(new tokens (B, new_tokens) as lists, the decoder) through prefill + the fused step; a given decoder
+    is reused (its model's cache must have cache_len slots)."""
     ids, pad = G.left_pad(prompts, pad_id=0)
     B, P = ids.shape
-    cache_len = -(-(P + new_tokens) // G.CACHE_LEN_MULTIPLE) * G.CACHE_LEN_MULTIPLE
-    setup_kv_cache(model, B, cache_len)
+    cache_len = cache_len or -(-(P + new_tokens) // G.CACHE_LEN_MULTIPLE) * G.CACHE_LEN_MULTIPLE
+    if decoder is None:
+        setup_kv_cache(model, B, cache_len)
     with torch.inference_mode():
         ids, pad = torch.from_numpy(ids).to(DEVICE), torch.from_numpy(pad).to(DEVICE)
         first = G.prefill(model, ids, pad, cache_len, G.Sampling())
-        decoder = fused_decode.FusedGPT2Decoder(model, keep_logits=keep_logits)
+        decoder = decoder or fused_decode.FusedGPT2Decoder(model, keep_logits=keep_logits)
         decoder.start(first, pad, P, eos_id)
         for _ in range(new_tokens - 1):
             decoder.step()
@@ -68,6 +70,28 @@ def test_fused_greedy_tokens_equal_the_eager_decode_step(lengths):
     reference = G.generate(model, prompts, new_tokens, compile=False)
     tokens, _ = fused_tokens(model, prompts, new_tokens)
     assert tokens == reference.tokens
+
+
+def test_attention_combines_many_chunks_of_an_odd_length_cache_and_a_reused_decoder_restarts(monkeypatch):
+    """4-slot chunks and a 50-slot cache: the attention spans up to 9 chunks, the last one partial, so the
+    chunk combine (and its rescaling by each chunk's max) decides every token. The same decoder then
+    serves prompts of other lengths and padding."""
+    monkeypatch.setattr(fused_decode, "CHUNK", 4)
+    model = sharp_model(TINY)
+    first, then = prompts_of([1, 12], TINY.vocab_size, seed=11), prompts_of([9, 2], TINY.vocab_size, seed=12)
+    expected_first = G.generate(model, first, 24, compile=False).tokens   # before: generate replaces the cache
+    expected_then = G.generate(model, then, 20, compile=False).tokens
+    tokens, decoder = fused_tokens(model, first, 24, cache_len=50)
+    assert decoder.n_chunks == 13
+    assert tokens == expected_first
+    tokens, _ = fused_tokens(model, then, 20, cache_len=50, decoder=decoder)
+    assert tokens == expected_then
+    with pytest.raises(RuntimeError, match="past the 50-slot cache"):   # slots 9 + 19 + 23 > 50
+        for _ in range(23):
+            decoder.step()
+    setup_kv_cache(model, 2, 50)                                       # a new cache: this decoder is stale
+    with pytest.raises(AssertionError, match="moved"):
+        fused_tokens(model, then, 20, cache_len=50, decoder=decoder)
 
 
 def test_fused_step_stops_a_row_at_end_of_text_like_the_eager_step():

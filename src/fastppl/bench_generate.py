@@ -2,7 +2,7 @@
 same weights and the same prompts.
 
 Peers (greedy; B random prompts of P tokens, seeded; exactly N new tokens per row, no end-of-text stop):
-  fastppl      fastppl.generate: static KV cache; on CUDA the fused Triton decode step (batch <= 8) or
+  fastppl      fastppl.generate: static KV cache; on CUDA the fused Triton decode step (batch <= 2) or
                the decode step compiled with CUDA graphs (torch.compile mode="reduce-overhead"), each
                replayed as CUDA graphs; eager on the CPU. The row's note says which ran
   hf-static    transformers generate(cache_implementation="static"). On CUDA transformers compiles its

@@ -38,7 +38,8 @@ DECODE_ENV = "FASTPPL_DECODE"   # e.g. "fused=0,attention=matmul,cache_write=ind
 
 @dataclass(frozen=True)
 class DecodeOptions:
-    """How the decode step computes; every choice gives the same tokens in fp32 (tests/test_generate.py).
+    """How the decode step computes; every choice gives the same tokens in fp32 (tests/test_generate.py,
+    tests/test_fused_decode.py).
     The defaults come from the environment variable FASTPPL_DECODE (DecodeOptions.from_env).
     All but `fused` apply to the compiled step, which fused=False selects where the fused one could run."""
     fused: bool = True               # Triton decode step (fastppl.accel.fused_decode) where it supports the model
@@ -221,7 +222,7 @@ class Generation:
     decode_warmup_seconds: float
     compiled: bool
     finished: list[bool] = field(default_factory=list)   # stopped at end-of-text
-    decode_step: str = ""              # which decode step ran (DECODE_STEPS), and why not the fused one
+    decode_step: str = ""              # which decode step ran (_choose_decode_step), and why not the fused one
 
     @property
     def decode_tokens_per_second(self) -> float:

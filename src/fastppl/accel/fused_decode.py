@@ -17,7 +17,9 @@ rows of the batch against it (so batches stay small, MAX_BATCH). The residual st
 every accumulation are fp32.
 
 The semantics are decode_one_token's (left padding hidden, positions from a row's first real token, a
-finished row emits eos, ties go to the lowest id); that function, eager, is the reference
+finished row emits eos, ties go to the lowest id). In fp32 the tokens are the eager step's; in bf16 they
+can differ where logits nearly tie, since the activations here stay fp32 where the model's round to bf16.
+decode_one_token, eager, is the reference
 (tests/test_fused_decode.py). The model file is untouched: the kernels read its weights and its KV cache."""
 from __future__ import annotations
 
@@ -249,34 +251,40 @@ class FusedGPT2Decoder:
         device = cache.k.device
         self.batch = B
         self.n_chunks = -(-self.cache_len // CHUNK)
-        f32 = dict(dtype=torch.float32, device=device)
-        self.residual = torch.empty(B, C, **f32)
-        self.query = torch.empty(B, C, **f32)
-        self.attended = torch.empty(B, C, **f32)
-        self.hidden = torch.empty(B, 4 * C, **f32)
-        self.chunk_out = torch.empty(B, config.n_head, self.n_chunks, config.head_dim, **f32)
-        self.chunk_max = torch.empty(B, config.n_head, self.n_chunks, **f32)
-        self.chunk_sum = torch.empty(B, config.n_head, self.n_chunks, **f32)
-        self.arrived = torch.zeros(B * config.n_head, dtype=torch.int32, device=device)   # reset by each last program
-        self.n_vocab_blocks = -(-config.vocab_size // self._block_n(config.vocab_size, C))
-        self.block_max = torch.empty(B, self.n_vocab_blocks, **f32)
-        self.block_arg = torch.empty(B, self.n_vocab_blocks, dtype=torch.int32, device=device)
-        self.logits = torch.empty(B, config.vocab_size, **f32) if keep_logits else None
-        i64 = dict(dtype=torch.int64, device=device)
-        self.token = torch.zeros(B, **i64)
-        self.pad = torch.zeros(B, **i64)
-        self.finished = torch.zeros(B, dtype=torch.int32, device=device)
-        self.eos = torch.full((1,), -1, **i64)
-        self.pos = torch.zeros(1, **i64)                     # the cache slot the current token goes to
-        self.history = torch.zeros(B, self.cache_len + 1, **i64)   # history[b, slot + 1]: the token after slot
-        self.prompt_len = 0
+        # normal tensors even when built under inference_mode (generate), so that start() works outside it
+        with torch.inference_mode(False):
+            f32 = dict(dtype=torch.float32, device=device)
+            self.residual = torch.empty(B, C, **f32)
+            self.query = torch.empty(B, C, **f32)
+            self.attended = torch.empty(B, C, **f32)
+            self.hidden = torch.empty(B, 4 * C, **f32)
+            self.chunk_out = torch.empty(B, config.n_head, self.n_chunks, config.head_dim, **f32)
+            self.chunk_max = torch.empty(B, config.n_head, self.n_chunks, **f32)
+            self.chunk_sum = torch.empty(B, config.n_head, self.n_chunks, **f32)
+            self.arrived = torch.zeros(B * config.n_head, dtype=torch.int32, device=device)   # reset by each last program
+            self.n_vocab_blocks = -(-config.vocab_size // self._block_n(config.vocab_size, C))
+            self.block_max = torch.empty(B, self.n_vocab_blocks, **f32)
+            self.block_arg = torch.empty(B, self.n_vocab_blocks, dtype=torch.int32, device=device)
+            self.logits = torch.empty(B, config.vocab_size, **f32) if keep_logits else None
+            i64 = dict(dtype=torch.int64, device=device)
+            self.token = torch.zeros(B, **i64)
+            self.pad = torch.zeros(B, **i64)
+            self.finished = torch.zeros(B, dtype=torch.int32, device=device)
+            self.eos = torch.full((1,), -1, **i64)
+            self.pos = torch.zeros(1, **i64)                     # the cache slot the current token goes to
+            self.history = torch.zeros(B, self.cache_len + 1, **i64)   # history[b, slot + 1]: the token after slot
+        self.prompt_len = self.steps_taken = 0
+        self.device = device
         self.use_graph = device.type == "cuda" if use_graph is None else use_graph
         self.graph = None
 
     def start(self, first_token: torch.Tensor, pad: torch.Tensor, prompt_len: int, eos_id: int) -> None:
         """Begin a generation: first_token (B,) follows the prompts, left-padded (pad (B,)) to prompt_len
         slots; eos_id -1 for none."""
-        self.prompt_len = prompt_len
+        model = self.model_ref()
+        assert model is not None and _addresses(model) == self.addresses, \
+            "the model's weights or KV cache moved since this decoder was built; fused_decoder(model) builds a new one"
+        self.prompt_len, self.steps_taken = prompt_len, 0
         self.token.copy_(first_token)
         self.pad.copy_(pad)
         self.eos.fill_(eos_id)
@@ -331,25 +339,34 @@ class FusedGPT2Decoder:
 
     def step(self) -> None:
         """One token for every row (asynchronous)."""
+        # the kernels write cache slot pos and history[pos + 1] unchecked: never past the cache
+        if self.steps_taken >= self.cache_len - self.prompt_len:
+            raise RuntimeError(f"decode step {self.steps_taken + 1} would write past the {self.cache_len}-slot cache")
+        self.steps_taken += 1
         if not self.use_graph:
             self._launch_step()
             return
-        if self.graph is None:
-            # a first eager step compiles the kernels (Triton JIT) outside the capture; the state it
-            # advanced is put back, and the cache slot it wrote is written again, identically, by the replay
-            state = (self.token, self.finished, self.pos, self.history)
-            saved = [t.clone() for t in state]
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._launch_step()
-            torch.cuda.current_stream().wait_stream(side)
-            for buffer, value in zip(state, saved):
-                buffer.copy_(value)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self._launch_step()
-        self.graph.replay()
+        with torch.cuda.device(self.device):   # Triton and graph capture use the current device
+            if self.graph is None:
+                self.graph = self._capture()
+            self.graph.replay()
+
+    def _capture(self) -> "torch.cuda.CUDAGraph":
+        # a first eager step compiles the kernels (Triton JIT) outside the capture; the state it advanced
+        # is put back, and the cache slot it wrote is written again, identically, by the replay
+        state = (self.token, self.finished, self.pos, self.history)
+        saved = [t.clone() for t in state]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._launch_step()
+        torch.cuda.current_stream().wait_stream(side)
+        for buffer, value in zip(state, saved):
+            buffer.copy_(value)
+        graph = torch.cuda.CUDAGraph()   # kept only once captured, so that a failed capture is retried
+        with torch.cuda.graph(graph):
+            self._launch_step()
+        return graph
 
     def all_finished(self) -> bool:
         return bool(self.finished.all())
