@@ -31,14 +31,16 @@ def elapsed() -> float:
     return time.perf_counter() - started
 
 
-mixed = [[(1000 + 7 * b + i) % 50000 for i in range(n)] for b, n in enumerate((32, 20, 7, 1))][:fd.MAX_BATCH]
 model32 = random_native("gpt2", 0, dev).float().eval()
-eager = generate(model32, mixed, 32, Sampling(), compile=False).tokens
-fused = generate(model32, mixed, 32, Sampling())
-ok = fused.decode_step.startswith("fused") and fused.tokens == eager
-print(f"fp32 fused vs eager tokens: {'ok' if ok else 'FAILED'} ({fused.decode_step}; {elapsed():.0f} s)", flush=True)
-if not ok:
-    failures.append("fp32 fused tokens")
+for batch in (2, 4, 64):   # the GEMVs, then the tensor-core tiles (one row block of 16, then of 64)
+    mixed = [[(1000 + 7 * b + i) % 50000 for i in range(1 + (31 * b) % 32)] for b in range(batch)]
+    eager = generate(model32, mixed, 32, Sampling(), compile=False).tokens
+    fused = generate(model32, mixed, 32, Sampling())
+    ok = fused.decode_step.startswith("fused") and fused.tokens == eager
+    print(f"fp32 fused vs eager tokens, batch {batch}: {'ok' if ok else 'FAILED'} ({fused.decode_step}; "
+          f"{elapsed():.0f} s)", flush=True)
+    if not ok:
+        failures.append(f"fp32 fused tokens batch {batch}")
 del model32
 torch.cuda.empty_cache()
 
@@ -78,16 +80,30 @@ def time_variant(name, batch, decode, reference=None, count_kernels=False):
 
 
 compiled_tokens = {}
-BATCHES = [int(b) for b in os.environ.get("FUSED_BATCHES", "1,2,4,8").split(",")]
+BATCHES = [int(b) for b in os.environ.get("FUSED_BATCHES", "1,2,4,8,16,32,64,128").split(",")]
 for batch in BATCHES:
     compiled_tokens[batch] = time_variant("compiled (fused=0)", batch, DecodeOptions(fused=False),
                                           count_kernels=batch == 1)
     time_variant("fused", batch, DecodeOptions(), compiled_tokens[batch], count_kernels=batch == 1)
+    if batch <= fd.GEMV_MAX_BATCH:   # the tensor-core tiles where the GEMVs run by default
+        fd._decoders.clear()
+        default_gemv, fd.GEMV_MAX_BATCH = fd.GEMV_MAX_BATCH, batch - 1
+        time_variant("fused, tiles", batch, DecodeOptions(), compiled_tokens[batch])
+        fd.GEMV_MAX_BATCH = default_gemv
+        fd._decoders.clear()
     print(f"  ({elapsed():.0f} s)", flush=True)
 
-defaults = dict(TILE_ELEMENTS=fd.TILE_ELEMENTS, NUM_WARPS=fd.NUM_WARPS, CHUNK=fd.CHUNK)
-sweeps = [dict(TILE_ELEMENTS=t, NUM_WARPS=w) for t, w in [(8192, 2), (8192, 8), (16384, 8), (4096, 2)]]
-sweeps += [dict(CHUNK=c) for c in (32, 128, 256)]
+SETTINGS = ("TILE_ELEMENTS", "NUM_WARPS", "CHUNK", "GEMV_MAX_BATCH", "DOT_BLOCK_M", "DOT_BLOCK_N",
+            "DOT_LM_HEAD_BLOCK_N", "DOT_BLOCK_K", "DOT_WARPS", "DOT_STAGES", "DOT_NORM_ELEMENTS", "PICK_ROWS")
+defaults = {key: getattr(fd, key) for key in SETTINGS}
+if os.environ.get("FUSED_SWEEP", "gemv") == "gemv":   # the small-batch GEMVs' tiles
+    sweeps = [dict(TILE_ELEMENTS=t, NUM_WARPS=w) for t, w in [(8192, 2), (8192, 8), (16384, 8), (4096, 2)]]
+    sweeps += [dict(CHUNK=c) for c in (32, 128, 256)]
+else:                                                # the tensor-core tiles (FUSED_SWEEP=dot)
+    sweeps = [dict(DOT_BLOCK_M=m) for m in (32, 64)] + [dict(DOT_BLOCK_N=n) for n in (16, 64)]
+    sweeps += [dict(DOT_BLOCK_K=k) for k in (64, 256)] + [dict(DOT_STAGES=n) for n in (3, 6)]
+    sweeps += [dict(DOT_WARPS=8), dict(DOT_NORM_ELEMENTS=32768), dict(DOT_LM_HEAD_BLOCK_N=64),
+               dict(DOT_LM_HEAD_BLOCK_N=256), dict(CHUNK=64), dict(CHUNK=128)]
 for batch in [int(b) for b in os.environ.get("FUSED_SWEEP_BATCHES", "1").split(",") if b.isdigit()]:
     for settings in sweeps:
         if elapsed() > BUDGET_S:
@@ -97,7 +113,7 @@ for batch in [int(b) for b in os.environ.get("FUSED_SWEEP_BATCHES", "1").split("
         for key, value in settings.items():
             setattr(fd, key, value)
         try:
-            label = " ".join(f"{k.split('_')[0].lower()}={v}" for k, v in settings.items())
+            label = " ".join(f"{k.lower()}={v}" for k, v in settings.items())
             time_variant(f"fused {label}", batch, DecodeOptions(), compiled_tokens[batch])
             rows[-1]["settings"] = settings
         except Exception as e:  # noqa: BLE001 - one setting must not stop the others
@@ -106,21 +122,32 @@ for batch in [int(b) for b in os.environ.get("FUSED_SWEEP_BATCHES", "1").split("
             setattr(fd, key, value)
 fd._decoders.clear()
 
-if os.environ.get("FUSED_BENCH"):   # bench --generate at batch 1 in this process, with the fastest batch-1 settings
-    fastest = min((r for r in rows if r["batch"] == 1 and r["name"].startswith("fused")), key=lambda r: r["ms_per_step"])
-    for key, value in fastest.get("settings", {}).items():
-        setattr(fd, key, value)
-    print(f"bench with {fastest['name']}", flush=True)
+if os.environ.get("FUSED_PROFILE"):   # GPU time per kernel name of the fused step at this batch, defaults
+    from torch.profiler import ProfilerActivity, profile
+    batch = int(os.environ["FUSED_PROFILE"])
+    prompts = [[(1000 + 7 * b + i) % 50000 for i in range(32)] for b in range(batch)]
+    generate(model, prompts, 256, Sampling())
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        generate(model, prompts, 257, Sampling())
+    kernels = sorted((e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: -e.self_device_time_total)
+    print(f"fused step, batch {batch}: GPU us per step by kernel (256 steps)")
+    for e in kernels[:12]:
+        print(f"  {e.key[:60]:60s} {e.count / 256:7.2f} {e.self_device_time_total / 256:8.1f}")
+    print(f"  total {sum(e.self_device_time_total for e in kernels) / 256:.1f} us", flush=True)
+
+if os.environ.get("FUSED_BENCH"):   # bench --generate at FUSED_BENCH's batch sizes in this process, defaults
     from fastppl.cli import main
     del model
     torch.cuda.empty_cache()
-    main(["bench", "--generate", "--batch-sizes", "1", "--new-tokens", "128", "--json", os.path.join(OUT, "bench_b1.json")])
+    main(["bench", "--generate", "--batch-sizes", os.environ["FUSED_BENCH"], "--new-tokens", "128",
+          "--json", os.path.join(OUT, "bench_generate.json")])
 
 json.dump(dict(rows=rows, failures=failures, torch=torch.__version__), open(os.path.join(OUT, "fused_decode.json"), "w"),
           indent=1)
 print(f"\n{'variant':<30}{'batch':>6}{'ms/step':>9}{'tokens/s':>11}{'kernels':>9}{'same tok':>9}")
 for r in rows:
-    print(f"{r['name']:<30}{r['batch']:>6}{r['ms_per_step']:>9.3f}{r['tokens_per_second']:>11,.0f}"
+    print(f"{r['name'][:30]:<30}{r['batch']:>6}{r['ms_per_step']:>9.3f}{r['tokens_per_second']:>11,.0f}"
           f"{r.get('kernels_per_step', float('nan')):>9.0f}{r.get('same_tokens_as_compiled', float('nan')):>9.2f}")
 print(f"failures: {failures or 'none'}  ({elapsed():.0f} s)")
 sys.exit(1 if failures else 0)

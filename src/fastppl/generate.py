@@ -155,9 +155,22 @@ def padded_mask(pad: torch.Tensor, query_slots: torch.Tensor, cache_len: int) ->
     return (causal & (real | (j == i)))[:, None]                              # (B, 1, T, L)
 
 
+# The logits are two products, of the first V rounded down to a multiple of this many ids and of
+# the rest: cuBLAS runs an odd-width (B, V) output (GPT-2's 50,257) as a slow alignment-1 kernel, 160 us a
+# decode step at batch 64 (docs/BENCHMARKS.md, session 7). 0 = one product.
+LOGITS_ALIGNMENT = 64
+
+
 def _logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """fp32 logits (B, V) of the last position of hidden (B, T, C)."""
-    return F.linear(hidden[:, -1], model.lm_head.weight, getattr(model.lm_head, "bias", None)).float()
+    weight, bias = model.lm_head.weight, getattr(model.lm_head, "bias", None)
+    last = hidden[:, -1]
+    aligned = weight.shape[0] - weight.shape[0] % LOGITS_ALIGNMENT if LOGITS_ALIGNMENT else 0
+    if not 0 < aligned < weight.shape[0]:
+        return F.linear(last, weight, bias).float()
+    head, tail = (None, None) if bias is None else (bias[:aligned], bias[aligned:])
+    return torch.cat([F.linear(last, weight[:aligned], head).float(), F.linear(last, weight[aligned:], tail).float()],
+                     dim=-1)
 
 
 def prefill(model: nn.Module, ids: torch.Tensor, pad: torch.Tensor, cache_len: int,
@@ -206,6 +219,10 @@ def compiled_decode_one_token(dynamic: Optional[bool] = None):
         # kept across runs, as for the scorer (fastppl.accel.compile)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
         os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+        # one graph per (batch, cache length): a process that generates at many shapes must not hit
+        # Dynamo's default limit of 8, which under fullgraph=True is an error
+        from .accel.compile import allow_shapes
+        allow_shapes(64)
         _compiled_decode[dynamic] = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True,
                                                   dynamic=dynamic)
     return _compiled_decode[dynamic]
