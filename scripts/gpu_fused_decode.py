@@ -1,12 +1,15 @@
 """The fused Triton decode step (fastppl.accel.fused_decode) against the compiled one (torch.compile, CUDA
 graphs), GPT-2 124M, H200; then tilings of the fused step's products.
 
-Checks first, and exits non-zero if one fails: fp32, GPT-2 124M, MAX_BATCH prompts of different lengths, 32 new
-tokens: the fused step's greedy tokens equal the eager step's. Then, bf16, prompt 32, 256 new tokens, per
+Checks first, and exits non-zero if one fails: fp32, GPT-2 124M, 1 and MAX_BATCH prompts of different lengths,
+32 new tokens: the fused step's greedy tokens equal the eager step's. Then, bf16, prompt 32, 256 new tokens, per
 batch size: ms per step and tokens/s (generate's own timing, after its warm-up steps; second call, so the
 graph exists), kernels per step, and the share of tokens equal to the compiled step's (bf16 rounding differs).
 
     PYTHONPATH=src python3 scripts/gpu_fused_decode.py      # FUSED_BUDGET_S (200) bounds the tiling sweep
+
+FUSED_BATCHES (1,2,4,8) and FUSED_SWEEP_BATCHES (1) choose the batch sizes; FUSED_PROFILE=B prints GPU time per
+kernel of the fused step at batch B; FUSED_BENCH=1,64 runs `fastppl bench --generate` at those batch sizes.
 """
 import json
 import os
@@ -32,7 +35,7 @@ def elapsed() -> float:
 
 
 model32 = random_native("gpt2", 0, dev).float().eval()
-for batch in (2, 4, 64):   # the GEMVs, then the tensor-core tiles (one row block of 16, then of 64)
+for batch in (1, fd.MAX_BATCH):
     mixed = [[(1000 + 7 * b + i) % 50000 for i in range(1 + (31 * b) % 32)] for b in range(batch)]
     eager = generate(model32, mixed, 32, Sampling(), compile=False).tokens
     fused = generate(model32, mixed, 32, Sampling())
@@ -80,30 +83,16 @@ def time_variant(name, batch, decode, reference=None, count_kernels=False):
 
 
 compiled_tokens = {}
-BATCHES = [int(b) for b in os.environ.get("FUSED_BATCHES", "1,2,4,8,16,32,64,128").split(",")]
+BATCHES = [int(b) for b in os.environ.get("FUSED_BATCHES", "1,2,4,8").split(",")]
 for batch in BATCHES:
     compiled_tokens[batch] = time_variant("compiled (fused=0)", batch, DecodeOptions(fused=False),
                                           count_kernels=batch == 1)
     time_variant("fused", batch, DecodeOptions(), compiled_tokens[batch], count_kernels=batch == 1)
-    if batch <= fd.GEMV_MAX_BATCH:   # the tensor-core tiles where the GEMVs run by default
-        fd._decoders.clear()
-        default_gemv, fd.GEMV_MAX_BATCH = fd.GEMV_MAX_BATCH, batch - 1
-        time_variant("fused, tiles", batch, DecodeOptions(), compiled_tokens[batch])
-        fd.GEMV_MAX_BATCH = default_gemv
-        fd._decoders.clear()
     print(f"  ({elapsed():.0f} s)", flush=True)
 
-SETTINGS = ("TILE_ELEMENTS", "NUM_WARPS", "CHUNK", "GEMV_MAX_BATCH", "DOT_BLOCK_M", "DOT_BLOCK_N",
-            "DOT_LM_HEAD_BLOCK_N", "DOT_BLOCK_K", "DOT_WARPS", "DOT_STAGES", "DOT_NORM_ELEMENTS", "PICK_ROWS")
-defaults = {key: getattr(fd, key) for key in SETTINGS}
-if os.environ.get("FUSED_SWEEP", "gemv") == "gemv":   # the small-batch GEMVs' tiles
-    sweeps = [dict(TILE_ELEMENTS=t, NUM_WARPS=w) for t, w in [(8192, 2), (8192, 8), (16384, 8), (4096, 2)]]
-    sweeps += [dict(CHUNK=c) for c in (32, 128, 256)]
-else:                                                # the tensor-core tiles (FUSED_SWEEP=dot)
-    sweeps = [dict(DOT_BLOCK_M=m) for m in (32, 64)] + [dict(DOT_BLOCK_N=n) for n in (16, 64)]
-    sweeps += [dict(DOT_BLOCK_K=k) for k in (64, 256)] + [dict(DOT_STAGES=n) for n in (3, 6)]
-    sweeps += [dict(DOT_WARPS=8), dict(DOT_NORM_ELEMENTS=32768), dict(DOT_LM_HEAD_BLOCK_N=64),
-               dict(DOT_LM_HEAD_BLOCK_N=256), dict(CHUNK=64), dict(CHUNK=128)]
+defaults = dict(TILE_ELEMENTS=fd.TILE_ELEMENTS, NUM_WARPS=fd.NUM_WARPS, CHUNK=fd.CHUNK)
+sweeps = [dict(TILE_ELEMENTS=t, NUM_WARPS=w) for t, w in [(8192, 2), (8192, 8), (16384, 8), (4096, 2)]]
+sweeps += [dict(CHUNK=c) for c in (32, 128, 256)]
 for batch in [int(b) for b in os.environ.get("FUSED_SWEEP_BATCHES", "1").split(",") if b.isdigit()]:
     for settings in sweeps:
         if elapsed() > BUDGET_S:

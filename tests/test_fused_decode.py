@@ -62,21 +62,13 @@ def fused_tokens(model, prompts, new_tokens, eos_id=-1, keep_logits=False, cache
         return decoder.new_tokens(new_tokens - 1).tolist(), decoder
 
 
-# rows of the small-batch GEMVs, then of the tensor-core tiles: 20 rows in 16-row tiles are two row blocks
-# and five token-pick programs (the last one advances the step)
-BATCHES = {"batch1": [5], "gemv-max-padded": [3, 9, 1, 6, 2][:fused_decode.GEMV_MAX_BATCH],
-           "tiles-two-row-blocks": [3 + (7 * i) % 11 for i in range(20)]}
-
-
-@pytest.mark.parametrize("lengths", BATCHES.values(), ids=BATCHES.keys())
-def test_fused_greedy_tokens_equal_the_eager_decode_step(lengths, monkeypatch):
-    monkeypatch.setattr(fused_decode, "DOT_BLOCK_M", 16)
+@pytest.mark.parametrize("lengths", [[5], [3, 9, 1, 6][:fused_decode.MAX_BATCH]], ids=["batch1", "batch-max-padded"])
+def test_fused_greedy_tokens_equal_the_eager_decode_step(lengths):
     model = sharp_model(TINY)
     prompts = prompts_of(lengths, TINY.vocab_size)
     new_tokens = 10
     reference = G.generate(model, prompts, new_tokens, compile=False)
-    tokens, decoder = fused_tokens(model, prompts, new_tokens)
-    assert decoder.dot == (len(lengths) > fused_decode.GEMV_MAX_BATCH)
+    tokens, _ = fused_tokens(model, prompts, new_tokens)
     assert tokens == reference.tokens
 
 
@@ -127,19 +119,16 @@ def _reference_logits(model, prompts, new_tokens):
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("rows", [2, 3], ids=["gemv", "tiles"])
 @pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if CUDA else []))
-def test_fused_logits_match_the_models_forward(dtype, rows):
+def test_fused_logits_match_the_models_forward(dtype):
     config = GPT2_WIDTHS if CUDA else TINY
     model = sharp_model(config, dtype)
-    prompts = prompts_of([7, 3, 5][:rows], config.vocab_size)
+    prompts = prompts_of([7, 3], config.vocab_size)
     tokens, decoder = fused_tokens(model, prompts, 6, keep_logits=True)
-    assert decoder.dot == (rows > fused_decode.GEMV_MAX_BATCH)
     # the logits of the last step predict token 6 from prompt + tokens[:5]
     reference = _reference_logits(sharp_model(config, torch.float32), prompts, [t[:6] for t in tokens])
     scale = reference.abs().max().item()
-    # fp32: summation order only (the tiles multiply in fp32, not TF32); bf16: weights rounded to bf16, and
-    # for the tiles also each product's input (the GEMVs keep activations fp32)
+    # fp32: summation order only; bf16: weights rounded to bf16 (the fused step keeps activations fp32)
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
     assert (decoder.logits - reference).abs().max().item() <= tolerance * scale
     if dtype == torch.float32:
@@ -147,7 +136,7 @@ def test_fused_logits_match_the_models_forward(dtype, rows):
 
 
 @pytest.mark.skipif(not CUDA, reason="generate() takes the fused step on CUDA only")
-@pytest.mark.parametrize("batch", [1, fused_decode.GEMV_MAX_BATCH, 24])
+@pytest.mark.parametrize("batch", sorted({1, fused_decode.MAX_BATCH}))
 def test_generate_on_cuda_takes_the_fused_step_and_matches_the_compiled_one(batch):
     model = sharp_model(GPT2_WIDTHS)
     prompts = prompts_of([3 + i % 11 for i in range(batch)], GPT2_WIDTHS.vocab_size)
@@ -160,8 +149,7 @@ def test_generate_on_cuda_takes_the_fused_step_and_matches_the_compiled_one(batc
 
 
 @pytest.mark.skipif(not CUDA, reason="generate() takes the fused step on CUDA only")
-def test_generate_on_cuda_says_why_a_large_batch_runs_the_compiled_step(monkeypatch):
-    monkeypatch.setattr(fused_decode, "MAX_BATCH", 4)
+def test_generate_on_cuda_says_why_a_large_batch_runs_the_compiled_step():
     model = sharp_model(TINY)
     prompts = prompts_of([4] * (fused_decode.MAX_BATCH + 1), TINY.vocab_size)
     result = G.generate(model, prompts, 8)

@@ -155,22 +155,9 @@ def padded_mask(pad: torch.Tensor, query_slots: torch.Tensor, cache_len: int) ->
     return (causal & (real | (j == i)))[:, None]                              # (B, 1, T, L)
 
 
-# The logits are two products, of the first V rounded down to a multiple of this many ids and of
-# the rest: cuBLAS runs an odd-width (B, V) output (GPT-2's 50,257) as a slow alignment-1 kernel, 160 us a
-# decode step at batch 64 (docs/BENCHMARKS.md, session 7). 0 = one product.
-LOGITS_ALIGNMENT = 64
-
-
 def _logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """fp32 logits (B, V) of the last position of hidden (B, T, C)."""
-    weight, bias = model.lm_head.weight, getattr(model.lm_head, "bias", None)
-    last = hidden[:, -1]
-    aligned = weight.shape[0] - weight.shape[0] % LOGITS_ALIGNMENT if LOGITS_ALIGNMENT else 0
-    if not 0 < aligned < weight.shape[0]:
-        return F.linear(last, weight, bias).float()
-    head, tail = (None, None) if bias is None else (bias[:aligned], bias[aligned:])
-    return torch.cat([F.linear(last, weight[:aligned], head).float(), F.linear(last, weight[aligned:], tail).float()],
-                     dim=-1)
+    return F.linear(hidden[:, -1], model.lm_head.weight, getattr(model.lm_head, "bias", None)).float()
 
 
 def prefill(model: nn.Module, ids: torch.Tensor, pad: torch.Tensor, cache_len: int,

@@ -38,21 +38,13 @@ except ImportError:  # CPU-only installs
 
 from ..models.gpt2 import GPT2
 
-MAX_BATCH = 256        # rows a decode step may have; larger batches run the compiled step
-GEMV_MAX_BATCH = 2     # up to here the products are register-tile GEMVs (_gemv_kernel), above tensor-core tiles
+MAX_BATCH = 2   # rows a decode step may have; larger batches run the compiled step (faster at 4, docs/BENCHMARKS.md)
 # elements of a GEMV program's weight tile: BLOCK_N = TILE_ELEMENTS // (rows * K padded to a power of 2)
 # columns, the whole K at once, so that a program's loads are all in flight together (a loop over K
 # would wait on memory once per iteration). scripts/gpu_fused_decode.py sweeps these.
 TILE_ELEMENTS = 8192
 NUM_WARPS = 4
 CHUNK = 32      # cache slots per attention program (32-128 within 2 % at batch 1; 256 13 % slower)
-# _matmul_kernel's tiles above GEMV_MAX_BATCH: rows (at most; >= 16 for tl.dot), columns (the lm_head's
-# own: it has 65x the columns), K per iteration, warps, pipeline stages. Small tiles, so that many programs
-# have their loads in flight at once; scripts/gpu_fused_decode.py FUSED_SWEEP=dot sweeps them.
-DOT_BLOCK_M, DOT_BLOCK_N, DOT_LM_HEAD_BLOCK_N, DOT_BLOCK_K = 16, 32, 128, 128
-DOT_WARPS, DOT_STAGES = 4, 4
-DOT_NORM_ELEMENTS = 16384   # rows x K padded that a LayerNorm prologue loads at once (caps its BLOCK_M)
-PICK_ROWS = 4   # rows per program of the token pick above GEMV_MAX_BATCH
 
 # prologues (how the K row is read) and epilogues (what is done with the (rows, cols) result)
 PLAIN, LAYER_NORM = 0, 1
@@ -121,15 +113,15 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(
-        x_ptr, w_ptr, bias_ptr, out_ptr, B, N,
+        x_ptr, w_ptr, bias_ptr, out_ptr, N,
         ln_w_ptr, ln_b_ptr, eps,                              # LAYER_NORM
         k_cache_ptr, v_cache_ptr, pos_ptr, L,                 # QKV_TO_CACHE: caches (B, nh, L, hs)
         block_max_ptr, block_arg_ptr, n_blocks,               # BLOCK_ARGMAX: (B, n_blocks)
-        K: tl.constexpr, PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr,
+        B: tl.constexpr, K: tl.constexpr, PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr,
         HAS_BIAS: tl.constexpr, GELU: tl.constexpr, STORE_LOGITS: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
-        """out (B, N) = epilogue(prologue(x) (B, K) @ w.T (K, N) + bias) for a few rows; a program: all B rows
+        """out (B, N) = epilogue(prologue(x) (B, K) @ w.T (K, N) + bias); a program: all B rows
         (BLOCK_B >= B), BLOCK_N columns, the whole K (BLOCK_K >= K) in one load of the weights."""
         rows = tl.arange(0, BLOCK_B)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -142,51 +134,6 @@ if triton is not None:
         if PROLOGUE == K_LAYER_NORM:   # the rows are in registers already
             x = layer_norm_rows(x, x_ok, ln_w_ptr, ln_b_ptr, k, k_ok, K, eps)
         acc = tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)                # (BB, BN)
-        _epilogue(acc, rows, cols, row_ok, col_ok, N, bias_ptr, out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, L,
-                  block_max_ptr, block_arg_ptr, n_blocks, EPILOGUE, HAS_BIAS, GELU, STORE_LOGITS, HEAD_DIM)
-
-    @triton.jit
-    def _matmul_kernel(
-        x_ptr, w_ptr, bias_ptr, out_ptr, B, N,
-        ln_w_ptr, ln_b_ptr, eps,
-        k_cache_ptr, v_cache_ptr, pos_ptr, L,
-        block_max_ptr, block_arg_ptr, n_blocks,
-        K: tl.constexpr, PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr,
-        HAS_BIAS: tl.constexpr, GELU: tl.constexpr, STORE_LOGITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PAD: tl.constexpr,
-        IEEE: tl.constexpr,
-    ):
-        """The same product for many rows, on the tensor cores: a program takes BLOCK_M rows and BLOCK_N
-        columns and loops over K, its loads pipelined DOT_STAGES deep, x cast to the weights' dtype.
-        LAYER_NORM takes each row's mean and variance from one load of its rows (BLOCK_M x K_PAD), then
-        normalises x tile by tile as it is multiplied. IEEE: fp32 weights multiply in fp32, not TF32."""
-        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok, col_ok = rows < B, cols < N
-        if PROLOGUE == K_LAYER_NORM:   # each row's statistics from one load of the whole rows (K_PAD >= K)
-            # (names of their own: Triton would take a name reassigned in the loop below as loop-carried)
-            whole_k = tl.arange(0, K_PAD)
-            whole_ok = row_ok[:, None] & (whole_k < K)[None, :]
-            whole = tl.load(x_ptr + rows[:, None] * K + whole_k[None, :], mask=whole_ok, other=0.0).to(tl.float32)
-            mean = tl.sum(whole, axis=1) / K
-            deviation = tl.where(whole_ok, whole - mean[:, None], 0.0)
-            rstd = 1.0 / tl.sqrt(tl.sum(deviation * deviation, axis=1) / K + eps)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < K
-            x_ok = row_ok[:, None] & k_ok[None, :]
-            x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=x_ok, other=0.0)
-            if PROLOGUE == K_LAYER_NORM:
-                gain = tl.load(ln_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-                shift = tl.load(ln_b_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-                x = (x.to(tl.float32) - mean[:, None]) * rstd[:, None] * gain[None, :] + shift[None, :]
-                x = tl.where(x_ok, x, 0.0)
-            w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            if IEEE:
-                acc = tl.dot(x.to(w.dtype), tl.trans(w), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x.to(w.dtype), tl.trans(w), acc)
         _epilogue(acc, rows, cols, row_ok, col_ok, N, bias_ptr, out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, L,
                   block_max_ptr, block_arg_ptr, n_blocks, EPILOGUE, HAS_BIAS, GELU, STORE_LOGITS, HEAD_DIM)
 
@@ -246,18 +193,15 @@ if triton is not None:
                            axis=0)
             outputs = tl.load(chunk_out_ptr + (first + c[:, None]) * HEAD_DIM + d[None, :], mask=c_ok[:, None],
                               other=0.0, cache_modifier=".cg")                                 # (CP, hs)
-            attended = tl.sum(weight[:, None] * outputs, axis=0) / total
-            tl.store(out_ptr + row_head * HEAD_DIM + d, attended.to(out_ptr.dtype.element_ty))
+            tl.store(out_ptr + row_head * HEAD_DIM + d, tl.sum(weight[:, None] * outputs, axis=0) / total)
             tl.store(arrived_ptr + row_head, 0)
 
     @triton.jit
     def _pick_token_kernel(block_max_ptr, block_arg_ptr, n_blocks, token_ptr, finished_ptr, history_ptr,
-                           history_len, pos_ptr, picked_ptr, B, eos_ptr,
-                           BLOCK_B: tl.constexpr, BLOCKS_PAD: tl.constexpr):
+                           history_len, pos_ptr, B, eos_ptr, BLOCK_B: tl.constexpr, BLOCKS_PAD: tl.constexpr):
         """Each row's token = the lowest id among the blocks' maxima (torch.argmax's tie rule); a finished row
-        gets eos. Writes token, finished, history[b, pos + 1]; a program takes BLOCK_B rows, and the last
-        to finish (counted in picked) advances pos, once every program has read it."""
-        rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+        gets eos. Writes token, finished, history[b, pos + 1], and advances pos (one program: all rows)."""
+        rows = tl.arange(0, BLOCK_B)
         row_ok = rows < B
         blocks = tl.arange(0, BLOCKS_PAD)
         ok = row_ok[:, None] & (blocks < n_blocks)[None, :]
@@ -273,10 +217,8 @@ if triton is not None:
         tl.store(token_ptr + rows, token, mask=row_ok)
         tl.store(finished_ptr + rows, ((finished != 0) | (token == eos_id)).to(tl.int32), mask=row_ok)
         tl.store(history_ptr + rows * history_len + pos + 1, token, mask=row_ok)
-        tl.debug_barrier()   # every thread of this program has read pos before it counts itself
-        if tl.atomic_add(picked_ptr, 1) == tl.num_programs(0) - 1:
-            tl.store(pos_ptr, pos + 1)
-            tl.store(picked_ptr, 0)
+        tl.debug_barrier()   # every thread has read pos before it moves
+        tl.store(pos_ptr, pos + 1)
 
 
 def fused_decode_unsupported(model: nn.Module, temperature: float, batch: int = 1) -> Optional[str]:
@@ -325,24 +267,18 @@ class FusedGPT2Decoder:
         B, C, self.cache_len = cache.k.shape[0], config.n_embd, cache.k.shape[2]
         device = cache.k.device
         self.batch = B
-        self.dot = B > GEMV_MAX_BATCH
-        self.chunk = CHUNK
-        self.n_chunks = -(-self.cache_len // self.chunk)
-        # the products' inputs other than the residual stream: fp32 for the GEMVs, the weights' dtype for
-        # the tensor-core tiles (which multiply in it anyway, and read these once per column block)
-        activations = model.lm_head.weight.dtype if self.dot else torch.float32
+        self.n_chunks = -(-self.cache_len // CHUNK)
         # normal tensors even when built under inference_mode (generate), so that start() works outside it
         with torch.inference_mode(False):
             f32 = dict(dtype=torch.float32, device=device)
             self.residual = torch.empty(B, C, **f32)
             self.query = torch.empty(B, C, **f32)
-            self.attended = torch.empty(B, C, dtype=activations, device=device)
-            self.hidden = torch.empty(B, 4 * C, dtype=activations, device=device)
+            self.attended = torch.empty(B, C, **f32)
+            self.hidden = torch.empty(B, 4 * C, **f32)
             self.chunk_out = torch.empty(B, config.n_head, self.n_chunks, config.head_dim, **f32)
             self.chunk_max = torch.empty(B, config.n_head, self.n_chunks, **f32)
             self.chunk_sum = torch.empty(B, config.n_head, self.n_chunks, **f32)
             self.arrived = torch.zeros(B * config.n_head, dtype=torch.int32, device=device)   # reset by each last program
-            self.picked = torch.zeros(1, dtype=torch.int32, device=device)           # reset by the last pick program
             self.n_vocab_blocks = -(-config.vocab_size // self._block_n(config.vocab_size, C))
             self.block_max = torch.empty(B, self.n_vocab_blocks, **f32)
             self.block_arg = torch.empty(B, self.n_vocab_blocks, dtype=torch.int32, device=device)
@@ -374,36 +310,24 @@ class FusedGPT2Decoder:
         self.history[:, prompt_len] = first_token
 
     def _block_n(self, N: int, K: int) -> int:
-        if self.dot:
-            return DOT_LM_HEAD_BLOCK_N if N == self.model_ref().config.vocab_size else DOT_BLOCK_N
         return max(1, min(TILE_ELEMENTS // (_next_power_of_2(self.batch) * _next_power_of_2(K)), _next_power_of_2(N)))
 
-    def _product(self, x, weight, bias, out, prologue=PLAIN, epilogue=STORE, gelu=False, norm=None, cache=None,
-                 head_dim: int = 1):
+    def _gemv(self, x, weight, bias, out, prologue=PLAIN, epilogue=STORE, gelu=False, norm=None, cache=None,
+              head_dim: int = 1):
         N, K = weight.shape
         block_n = self._block_n(N, K)
         dummy = self.residual
-        args = (
-            x, weight, bias if bias is not None else dummy, out if out is not None else dummy, self.batch, N,
+        _gemv_kernel[(triton.cdiv(N, block_n),)](
+            x, weight, bias if bias is not None else dummy, out if out is not None else dummy, N,
             norm.weight if norm is not None else dummy, norm.bias if norm is not None else dummy,
             norm.eps if norm is not None else 0.0,
             cache.k if cache is not None else dummy, cache.v if cache is not None else dummy, self.pos,
-            self.cache_len, self.block_max, self.block_arg, self.n_vocab_blocks)
-        flags = dict(K=K, PROLOGUE=prologue, EPILOGUE=epilogue, HAS_BIAS=bias is not None, GELU=gelu,
-                     STORE_LOGITS=epilogue == BLOCK_ARGMAX and out is not None, HEAD_DIM=head_dim, BLOCK_N=block_n)
-        if self.dot:
-            k_pad = _next_power_of_2(K)
-            block_m = min(DOT_BLOCK_M, _next_power_of_2(self.batch))
-            if prologue == LAYER_NORM:
-                block_m = min(block_m, DOT_NORM_ELEMENTS // k_pad)
-            block_m = max(16, block_m)
-            _matmul_kernel[(triton.cdiv(N, block_n), triton.cdiv(self.batch, block_m))](
-                *args, **flags, BLOCK_M=block_m, BLOCK_K=min(DOT_BLOCK_K, k_pad), K_PAD=k_pad,
-                IEEE=weight.dtype == torch.float32, num_warps=DOT_WARPS, num_stages=DOT_STAGES)
-        else:
-            _gemv_kernel[(triton.cdiv(N, block_n),)](
-                *args, **flags, BLOCK_B=_next_power_of_2(self.batch), BLOCK_K=_next_power_of_2(K),
-                num_warps=NUM_WARPS)
+            self.cache_len, self.block_max, self.block_arg, self.n_vocab_blocks,
+            B=self.batch, K=K, PROLOGUE=prologue, EPILOGUE=epilogue, HAS_BIAS=bias is not None, GELU=gelu,
+            STORE_LOGITS=epilogue == BLOCK_ARGMAX and out is not None, HEAD_DIM=head_dim,
+            BLOCK_B=_next_power_of_2(self.batch), BLOCK_N=block_n, BLOCK_K=_next_power_of_2(K),
+            num_warps=NUM_WARPS,
+        )
 
     def _launch_step(self) -> None:
         model = self.model_ref()
@@ -413,23 +337,22 @@ class FusedGPT2Decoder:
                             C, BLOCK_C=_next_power_of_2(C))
         for block in model.blocks:
             attn, mlp, cache = block.attn, block.mlp, block.attn.kv_cache
-            self._product(self.residual, attn.qkv.weight, attn.qkv.bias, self.query, LAYER_NORM, QKV_TO_CACHE,
+            self._gemv(self.residual, attn.qkv.weight, attn.qkv.bias, self.query, LAYER_NORM, QKV_TO_CACHE,
                        norm=block.ln_1, cache=cache, head_dim=hs)
             _attention_kernel[(B * config.n_head, self.n_chunks)](
                 self.query, cache.k, cache.v, self.pos, self.pad, self.attended, self.chunk_out, self.chunk_max,
                 self.chunk_sum, self.arrived, self.cache_len, self.n_chunks, 1.0 / math.sqrt(hs),
-                N_HEAD=config.n_head, HEAD_DIM=hs, CHUNK=self.chunk, CHUNKS_PAD=_next_power_of_2(self.n_chunks))
-            self._product(self.attended, attn.proj.weight, attn.proj.bias, self.residual, PLAIN, ADD_TO_RESIDUAL)
-            self._product(self.residual, mlp.fc.weight, mlp.fc.bias, self.hidden, LAYER_NORM, STORE, gelu=True,
+                N_HEAD=config.n_head, HEAD_DIM=hs, CHUNK=CHUNK, CHUNKS_PAD=_next_power_of_2(self.n_chunks))
+            self._gemv(self.attended, attn.proj.weight, attn.proj.bias, self.residual, PLAIN, ADD_TO_RESIDUAL)
+            self._gemv(self.residual, mlp.fc.weight, mlp.fc.bias, self.hidden, LAYER_NORM, STORE, gelu=True,
                        norm=block.ln_2)
-            self._product(self.hidden, mlp.proj.weight, mlp.proj.bias, self.residual, PLAIN, ADD_TO_RESIDUAL)
-        self._product(self.residual, model.lm_head.weight, getattr(model.lm_head, "bias", None), self.logits,
+            self._gemv(self.hidden, mlp.proj.weight, mlp.proj.bias, self.residual, PLAIN, ADD_TO_RESIDUAL)
+        self._gemv(self.residual, model.lm_head.weight, getattr(model.lm_head, "bias", None), self.logits,
                    LAYER_NORM, BLOCK_ARGMAX, norm=model.ln_f)
-        pick_rows = PICK_ROWS if self.dot else _next_power_of_2(B)
-        _pick_token_kernel[(triton.cdiv(B, pick_rows),)](
+        _pick_token_kernel[(1,)](
             self.block_max, self.block_arg, self.n_vocab_blocks, self.token, self.finished, self.history,
-            self.history.shape[1], self.pos, self.picked, B, self.eos,
-            BLOCK_B=pick_rows, BLOCKS_PAD=_next_power_of_2(self.n_vocab_blocks), num_warps=8 if not self.dot else 4)
+            self.history.shape[1], self.pos, B, self.eos,
+            BLOCK_B=_next_power_of_2(B), BLOCKS_PAD=_next_power_of_2(self.n_vocab_blocks), num_warps=8)
 
     def step(self) -> None:
         """One token for every row (asynchronous)."""
