@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 5's same-run benchmarks on the GPU, one device call each (each fits in the 10-minute limit):
-#   bash scripts/gpu_bench_issue5.sh generate   # GPT-2 124M decode, batch 1 and 64: fastppl vs transformers
-#   bash scripts/gpu_bench_issue5.sh llama      # Llama-1B-shape scoring, B 8 x T 2048
-#   bash scripts/gpu_bench_issue5.sh test       # pytest -m gpu tests/test_bench_generate.py
+#   bash scripts/calls/gpu_bench_issue5.sh generate   # GPT-2 124M decode, batch 1 and 64: fastppl vs transformers
+#   bash scripts/calls/gpu_bench_issue5.sh llama      # Llama-1B-shape scoring, B 8 x T 2048
+#   bash scripts/calls/gpu_bench_issue5.sh test       # pytest -m gpu tests/test_bench_generate.py
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1 FASTPPL_CACHE_DIR=/tmp/fastppl-cache
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
