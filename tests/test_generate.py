@@ -200,11 +200,9 @@ def test_the_compiled_step_serves_more_shapes_than_dynamos_recompile_limit(monke
     """One graph per (batch, cache length): with fullgraph=True, Dynamo's recompile limit (8 by default) would
     make the next new shape an error, so compiled_decode_one_token raises it. Here the limit starts at 1."""
     import torch._dynamo.config as dynamo_config
-    from fastppl import generate as G
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(dynamo_config, name):
             monkeypatch.setattr(dynamo_config, name, 1)
-    monkeypatch.setattr(G, "_compiled_decode", {})
     model = _model("gpt2-tiny")
     for batch in (1, 2, 3):
         prompts = _prompts([4] * batch, seed=batch)

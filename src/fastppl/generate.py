@@ -200,16 +200,17 @@ _compiled_decode: dict = {}   # torch.compile's dynamic -> the compiled decode_o
 def compiled_decode_one_token(dynamic: Optional[bool] = None):
     """decode_one_token under torch.compile with Inductor's CUDA graphs (mode="reduce-overhead"), compiled
     once per process, per shape."""
+    from .accel.compile import allow_shapes
+    # one graph per (batch, cache length): a process that generates at many shapes must not hit Dynamo's
+    # default limit of 8, which under fullgraph=True is an error (raised on every call: cheap, and it holds
+    # if something lowered the limit since)
+    allow_shapes(64)
     if dynamic not in _compiled_decode:
         import os
         from .config import cache_dir
         # kept across runs, as for the scorer (fastppl.accel.compile)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
         os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
-        # one graph per (batch, cache length): a process that generates at many shapes must not hit
-        # Dynamo's default limit of 8, which under fullgraph=True is an error
-        from .accel.compile import allow_shapes
-        allow_shapes(64)
         _compiled_decode[dynamic] = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True,
                                                   dynamic=dynamic)
     return _compiled_decode[dynamic]
