@@ -72,19 +72,20 @@ def _first_token_clock(device: torch.device, batch_size: int):
 
 
 def _run_fastppl(model: nn.Module, prompts: list[list[int]], new_tokens: int,
-                 device: torch.device) -> tuple[float, float, float, list[list[int]], str]:
-    """(time to first token, decode seconds, wall seconds, new tokens, which decode step ran) of one
-    fastppl generate call."""
+                 device: torch.device) -> tuple[float, float, float, list[list[int]], str, bool]:
+    """(time to first token, decode seconds, wall seconds, new tokens, which decode step ran, whether it
+    compiled) of one fastppl generate call."""
     from .generate import Sampling, generate
     _sync(device)
     started = time.perf_counter()
     result = generate(model, prompts, new_tokens, Sampling(), eos_id=None)   # ends synchronised, on the host
     wall = time.perf_counter() - started
-    return result.time_to_first_token, wall - result.time_to_first_token, wall, result.tokens, result.decode_step
+    return (result.time_to_first_token, wall - result.time_to_first_token, wall, result.tokens, result.decode_step,
+            result.compiled)
 
 
 def _run_hf(hf: nn.Module, prompts: torch.Tensor, new_tokens: int, static: bool,
-            device: torch.device) -> tuple[float, float, float, list[list[int]], str]:
+            device: torch.device) -> tuple[float, float, float, list[list[int]], str, bool]:
     """The same for one transformers generate call."""
     from transformers import StoppingCriteriaList
     B, P = prompts.shape
@@ -102,9 +103,9 @@ def _run_hf(hf: nn.Module, prompts: torch.Tensor, new_tokens: int, static: bool,
     assert out.shape == (B, P + new_tokens), f"transformers stopped early: {tuple(out.shape)}"
     assert clock.first_token_time is not None
     first = clock.first_token_time - started
-    note = ("static cache, " if static else "dynamic cache, ") + (
-        "compiled" if static and hasattr(hf, "_compiled_call") else "eager")   # transformers compiled its forward
-    return first, finished - clock.first_token_time, finished - started, tokens, note
+    compiled = static and hasattr(hf, "_compiled_call")   # transformers compiled its forward
+    note = ("static cache, " if static else "dynamic cache, ") + ("compiled" if compiled else "eager")
+    return first, finished - clock.first_token_time, finished - started, tokens, note, compiled
 
 
 def token_agreement(reference: Sequence[Sequence[int]], other: Sequence[Sequence[int]]) -> tuple[float, float]:
@@ -134,7 +135,6 @@ def time_generation(native: nn.Module, hf: Optional[nn.Module], prompts: torch.T
     for name in peers:
         if name == "fastppl":
             run = lambda: _run_fastppl(native, prompt_lists, new_tokens, device)
-            compiled = device.type == "cuda"
         else:
             static = name == "hf-static"
             run = lambda static=static: _run_hf(hf, prompts, new_tokens, static, device)
@@ -146,8 +146,6 @@ def time_generation(native: nn.Module, hf: Optional[nn.Module], prompts: torch.T
         warm_started = time.perf_counter()
         run()                                   # compiles, captures graphs, allocates caches
         warmup_seconds = time.perf_counter() - warm_started
-        if name != "fastppl":
-            compiled = static and hasattr(hf, "_compiled_call")
         timings = [run() for _ in range(repeats)]
         first = statistics.median(t[0] for t in timings)
         decode = statistics.median(t[1] for t in timings)
@@ -156,7 +154,7 @@ def time_generation(native: nn.Module, hf: Optional[nn.Module], prompts: torch.T
         row = dict(
             name=name, batch_size=B, time_to_first_token_seconds=first, decode_seconds=decode,
             decode_tokens_per_second=rate, wall_seconds=wall, end_to_end_tokens_per_second=B * new_tokens / wall,
-            warmup_seconds=warmup_seconds, compiled=compiled,
+            warmup_seconds=warmup_seconds, compiled=timings[-1][5],
             working_memory_bytes=(torch.cuda.max_memory_allocated(device) - resident) if device.type == "cuda" else None,
             note=timings[-1][4], tokens=timings[-1][3],
         )

@@ -76,7 +76,7 @@ if triton is not None:
             acc = 0.5 * acc * (1.0 + _tanh(0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)))
         ok = row_ok[:, None] & col_ok[None, :]
         if EPILOGUE == K_STORE:
-            tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+            tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc, mask=ok)
         if EPILOGUE == K_ADD_TO_RESIDUAL:
             residual = out_ptr + rows[:, None] * N + cols[None, :]
             tl.store(residual, tl.load(residual, mask=ok, other=0.0) + acc, mask=ok)
