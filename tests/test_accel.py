@@ -10,7 +10,7 @@ from fastppl.config import EvalConfig
 from fastppl.data.batching import WindowRef, batch_from_plan
 from fastppl.data.packing import plan_batches, split_rows
 from fastppl.data.windows import chunked_windows
-from fastppl.engine.score import DeviceSums, make_score_fn, score_plans
+from fastppl.engine.score import GATHER_MULTIPLE, DeviceSums, make_score_fn, score_batches, score_plans
 from fastppl.models.loading import random_gpt2
 from fastppl.pipeline import evaluate
 
@@ -126,3 +126,39 @@ def test_balanced_batch_size_runs_fewest_padding_rows_in_as_many_batches():
             assert b < 8 or b % 8 == 0 or b == rows_here
     assert balanced_batch_size(256, 330) == 168
     assert balanced_batch_size(256, 4096) == 256
+
+
+def test_the_fused_scorer_runs_the_loss_on_the_scored_positions_only(monkeypatch):
+    """Sliding windows score about half of what they read and padding rows nothing: with the fused loss
+    (Triton's interpreter on CPU) only the scored positions reach the kernel, with the same NLL as the
+    kernel run on every position."""
+    pytest.importorskip("triton")
+    import fastppl.engine.fused_loss as fused_loss
+    from fastppl.data.batching import iter_batches
+    from fastppl.data.windows import sliding_windows
+    model = random_gpt2("gpt2-tiny").eval()
+    ctx, stride, n_tokens = 64, 16, 240
+    stream = np.random.default_rng(2).integers(0, 50257, n_tokens)
+    refs = [WindowRef(0, w) for w in sliding_windows(n_tokens, ctx, stride)]
+    rows_in, real_kernel = [], fused_loss.fused_token_nll
+    monkeypatch.setattr(fused_loss, "fused_token_nll",
+                        lambda hidden, *args, **kwargs: rows_in.append(hidden.shape[0]) or real_kernel(hidden, *args, **kwargs))
+
+    def run(score_fn):
+        sums = DeviceSums.zeros(ctx, torch.device("cpu"), n_tokens)
+        batches = list(iter_batches(refs, [stream], [1], 5, ctx))
+        score_batches(score_fn, batches, sums, torch.device("cpu"))
+        return sums, [b.n_scored for b in batches]
+
+    fused = make_score_fn(model, loss="fused")
+    gathered, n_scored = run(fused)
+    # the scored rows, not 5 x ctx, in a whole number of GATHER_MULTIPLE (the last one repeated)
+    assert rows_in == [-(-n // GATHER_MULTIPLE) * GATHER_MULTIPLE for n in n_scored]
+    assert max(rows_in) < 5 * ctx
+    rows_in.clear()
+    every_position, _ = run(lambda *args: fused(*args))          # a wrapper that does not say it gathers
+    assert rows_in == [5 * ctx] * len(n_scored)
+    assert gathered.nll_sum.item() == pytest.approx(every_position.nll_sum.item(), rel=1e-6)
+    scored = ~torch.isnan(every_position.per_token)
+    assert torch.equal(scored, ~torch.isnan(gathered.per_token))
+    torch.testing.assert_close(gathered.per_token[scored], every_position.per_token[scored], rtol=1e-6, atol=1e-6)

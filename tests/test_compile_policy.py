@@ -26,3 +26,15 @@ def test_auto_threshold_depends_on_family_and_loss():
     on, reason = use_compile("auto", CUDA, n, "fused", "gpt2")
     assert on is False and f"{COMPILE_MIN_TOKENS['gpt2', 'fused']:,}" in reason
     assert use_compile("auto", CUDA, COMPILE_MIN_TOKENS["llama", "fused"] - 1, "fused", "llama")[0] is False
+
+
+def test_auto_keeps_gpt2_sliding_windows_eager_with_the_fused_loss():
+    """Sliding windows score a share of what they read; the eager fused scorer runs the loss on the scored
+    positions only, which beats compiling for GPT-2 at any length (docs/BENCHMARKS.md, session 9)."""
+    n = 10**12
+    on, reason = use_compile("auto", CUDA, n, "fused", "gpt2", scored_share=0.5)
+    assert on is False and "50 % of the positions read are scored" in reason
+    assert use_compile("auto", CUDA, n, "fused", "gpt2", scored_share=1.0)[0] is True
+    assert use_compile("auto", CUDA, n, "chunked", "gpt2", scored_share=0.5)[0] is True   # chunked never gathers
+    assert use_compile("auto", CUDA, n, "fused", "llama", scored_share=0.5)[0] is True    # not measured: as before
+    assert use_compile("on", CUDA, 10, "fused", "gpt2", scored_share=0.5)[0] is True

@@ -145,7 +145,8 @@ def test_benchmark_generate_reports_decode_speed():
 
 
 DECODE_VARIANTS = ["cache_write=per_row", "attention=matmul", "attention=reduction", "additive_mask=true", "cache_write=index_copy",
-                   "attend_bucket=8", "attention=reduction,additive_mask=1,cache_write=index_copy,attend_bucket=8"]
+                   "attend_bucket=8", "attention=reduction,additive_mask=1,cache_write=index_copy,attend_bucket=8",
+                   "aligned_logits=0"]
 
 
 @pytest.mark.parametrize("options", DECODE_VARIANTS)
@@ -196,6 +197,23 @@ def test_compiled_decode_in_cuda_graphs_gives_the_eager_tokens(preset, new_token
     assert all(0 <= t < model.vocab_size for row in first for t in row)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_decode_with_aligned_logits_gives_the_eager_tokens():
+    """fp32, CUDA graphs: the vocabulary product over lm_head padded to 64-aligned ids (the default; its tensors
+    marked static for the graph) gives the eager tokens, greedy and sampled as without it, in two calls (the
+    cached head)."""
+    model = _model("gpt2-tiny").cuda()
+    prompts = _prompts([9, 2, 5, 13])
+    aligned = DecodeOptions(fused=False, aligned_logits=True)
+    expected = generate(model, prompts, 24, eos_id=None, compile=False).tokens
+    for _ in range(2):
+        assert generate(model, prompts, 24, eos_id=None, compile=True, decode=aligned).tokens == expected
+    sampling = Sampling(temperature=1.0, top_k=50, seed=3)
+    plain = DecodeOptions(fused=False, aligned_logits=False)
+    sampled = generate(model, prompts, 24, sampling, eos_id=None, compile=True, decode=plain)
+    assert generate(model, prompts, 24, sampling, eos_id=None, compile=True, decode=aligned).tokens == sampled.tokens
+
+
 def test_the_compiled_step_serves_more_shapes_than_dynamos_recompile_limit(monkeypatch):
     """One graph per (batch, cache length): with fullgraph=True, Dynamo's recompile limit (8 by default) would
     make the next new shape an error, so compiled_decode_one_token raises it. Here the limit starts at 1."""
@@ -208,3 +226,18 @@ def test_the_compiled_step_serves_more_shapes_than_dynamos_recompile_limit(monke
         prompts = _prompts([4] * batch, seed=batch)
         assert generate(model, prompts, 4, eos_id=None, compile=True).tokens == \
             generate(model, prompts, 4, eos_id=None, compile=False).tokens
+
+
+def test_aligned_lm_head_pads_with_zero_rows_and_is_kept_while_the_weights_stand():
+    from fastppl.generate import LOGITS_ALIGN, aligned_lm_head
+    model = _model("gpt2-tiny")
+    V = model.lm_head.weight.shape[0]
+    weight, bias = aligned_lm_head(model)
+    assert weight.shape[0] % LOGITS_ALIGN == 0 and 0 < weight.shape[0] - V < LOGITS_ALIGN
+    assert torch.equal(weight[:V], model.lm_head.weight) and not weight[V:].any()
+    assert bias is None or (torch.equal(bias[:V], model.lm_head.bias) and not bias[V:].any())
+    assert aligned_lm_head(model)[0] is weight          # the same tensor again: a CUDA graph keeps its address
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)
+    refreshed = aligned_lm_head(model)[0]
+    assert refreshed is not weight and torch.equal(refreshed[:V], model.lm_head.weight)

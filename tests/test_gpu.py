@@ -110,3 +110,25 @@ def test_bf16_within_half_a_percent_of_fp32_on_a_trained_model(trained_300_steps
     print(f"{loss}: fp32 nll {fp32['nll']:.6f}  bf16 {bf16['nll']:.6f}  rel {bf16['nll'] / fp32['nll'] - 1:+.2e}")
     assert abs(bf16["nll"] / fp32["nll"] - 1) <= 5e-3
 
+
+
+def test_fused_scorer_on_the_scored_rows_only_is_bit_for_bit_the_full_one():
+    """The fused kernel computes each row alone, so gathering the scored rows before the loss changes no
+    bit of any scored position's NLL (engine.score: what lets it run only for the fused loss)."""
+    from fastppl.engine.score import make_score_fn
+    from fastppl.models.loading import random_gpt2
+    model = random_gpt2("gpt2", 0, torch.device("cuda")).to(torch.bfloat16).eval()
+    score = make_score_fn(model, loss="fused")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    ids = torch.randint(0, 50257, (6, 257), device="cuda", generator=g)
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+    mask = torch.zeros_like(inputs, dtype=torch.bool)
+    mask[:, 128:] = True          # a sliding window's new half
+    mask[5] = False               # a padding row
+    rows = mask.reshape(-1).nonzero().squeeze(1)
+    rows = torch.cat([rows, rows[-1:].expand(37)])   # the last row repeated, as scored_rows_of pads it
+    with torch.inference_mode():
+        full = score(inputs, targets, mask)
+        gathered = score(inputs, targets, mask, scored_rows=rows)
+    assert torch.equal(full, gathered)
+    assert full[mask].gt(0).all() and gathered[~mask].eq(0).all()

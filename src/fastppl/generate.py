@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -33,6 +34,7 @@ from .models.attention import MASKED_ATTENTION
 from .models.kv_cache import CacheStep, ensure_kv_cache, supports_kv_cache
 
 CACHE_LEN_MULTIPLE = 64   # cache lengths rounded up to this, so that nearby lengths share a compiled graph
+LOGITS_ALIGN = 64         # aligned_logits: the vocabulary product's width rounded up to this
 DECODE_ENV = "FASTPPL_DECODE"   # e.g. "fused=0,attention=matmul,cache_write=index_copy,attend_bucket=64"
 
 
@@ -51,6 +53,10 @@ class DecodeOptions:
     # to all of them (one compiled shape per bucket; 0 = always the whole cache)
     attend_bucket: int = 0
     dynamic: Optional[bool] = None   # torch.compile's dynamic; False compiles every batch size and bucket apart
+    # the vocabulary product over lm_head's rows padded with zeros to a multiple of LOGITS_ALIGN (the padding
+    # ids' logits are cut before sampling): GPT-2's 50,257 ids give cuBLAS an output row it cannot align.
+    # Measured on the H200, compiled step: -14 % a step at batch 8 and 64, -9 % at 128 (docs/BENCHMARKS.md)
+    aligned_logits: bool = True
 
     def __post_init__(self) -> None:
         if self.attention not in MASKED_ATTENTION:
@@ -74,13 +80,13 @@ class DecodeOptions:
                 if not value.isdigit():
                     raise FastpplError(f"{DECODE_ENV}: attend_bucket must be an integer >= 0, got {value!r}")
                 fields[key] = int(value)
-            elif key in ("fused", "additive_mask", "dynamic"):
+            elif key in ("fused", "additive_mask", "dynamic", "aligned_logits"):
                 if value.lower() not in ("0", "1", "true", "false", "none"):
                     raise FastpplError(f"{DECODE_ENV}: {key} must be true, false (or none for dynamic), got {value!r}")
                 fields[key] = None if value.lower() == "none" else value.lower() in ("1", "true")
             else:
                 raise FastpplError(f"{DECODE_ENV}: unknown option {key!r}; use fused, attention, additive_mask, "
-                                   "cache_write, attend_bucket, dynamic")
+                                   "cache_write, attend_bucket, dynamic, aligned_logits")
         return cls(**fields)
 
     @classmethod
@@ -155,9 +161,39 @@ def padded_mask(pad: torch.Tensor, query_slots: torch.Tensor, cache_len: int) ->
     return (causal & (real | (j == i)))[:, None]                              # (B, 1, T, L)
 
 
-def _logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """fp32 logits (B, V) of the last position of hidden (B, T, C)."""
-    return F.linear(hidden[:, -1], model.lm_head.weight, getattr(model.lm_head, "bias", None)).float()
+def _logits(model: nn.Module, hidden: torch.Tensor, aligned_head: Optional[tuple] = None) -> torch.Tensor:
+    """fp32 logits (B, V) of the last position of hidden (B, T, C); through aligned_head's (weight, bias) when
+    given (aligned_lm_head), cut back to the V real ids."""
+    if aligned_head is None:
+        return F.linear(hidden[:, -1], model.lm_head.weight, getattr(model.lm_head, "bias", None)).float()
+    weight, bias = aligned_head
+    return F.linear(hidden[:, -1], weight, bias)[:, :model.lm_head.weight.shape[0]].float()
+
+
+_aligned_heads: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # model -> (key, (weight, bias))
+
+
+def aligned_lm_head(model: nn.Module) -> Optional[tuple]:
+    """(weight, bias) of lm_head with zero rows appended up to a multiple of LOGITS_ALIGN ids, or None when V
+    already is one. Kept per model while its lm_head is unchanged, so that a compiled step's CUDA graph sees
+    the same tensors (marked static: never copied into the graph's inputs) at every call."""
+    weight, bias = model.lm_head.weight, getattr(model.lm_head, "bias", None)
+    extra = -weight.shape[0] % LOGITS_ALIGN
+    if extra == 0:
+        return None
+    key = (weight.data_ptr(), weight._version, weight.dtype, None if bias is None else (bias.data_ptr(), bias._version))
+    cached = _aligned_heads.get(model)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    with torch.no_grad():
+        padded = (torch.cat([weight, weight.new_zeros(extra, weight.shape[1])]),
+                  None if bias is None else torch.cat([bias, bias.new_zeros(extra)]))
+    if weight.is_cuda:
+        for tensor in padded:
+            if tensor is not None:
+                torch._dynamo.mark_static_address(tensor)
+    _aligned_heads[model] = (key, padded)
+    return padded
 
 
 def prefill(model: nn.Module, ids: torch.Tensor, pad: torch.Tensor, cache_len: int,
@@ -175,11 +211,12 @@ def decode_one_token(
     model: nn.Module, token: torch.Tensor, input_pos: torch.Tensor, pad: torch.Tensor, finished: torch.Tensor,
     cache_len: int, eos_id: int, temperature: float, top_k: Optional[int], top_p: Optional[float],
     attention: str = "sdpa", additive_mask: bool = False, cache_write: str = "index_copy",
+    aligned_head: Optional[tuple] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One step: token (B, 1) goes into cache slot input_pos (1,); -> next token (B,), finished (B,).
     The step attends to the first cache_len slots (at most the cache's length). A finished row keeps
     emitting eos_id (its outputs are cut at the first one). attention, additive_mask, cache_write: see
-    DecodeOptions."""
+    DecodeOptions; aligned_head: see aligned_lm_head."""
     B = token.shape[0]
     positions = (input_pos[None, :] - pad[:, None]).clamp(min=0)              # (B, 1)
     mask = padded_mask(pad, input_pos, cache_len)                             # (B, 1, 1, cache_len), every layer's
@@ -189,7 +226,7 @@ def decode_one_token(
     slots = input_pos if cache_write == "index_copy" else input_pos.expand(B, 1)   # (1,) or (B, 1)
     step = CacheStep(slots=slots, mask=mask, attention=attention)
     hidden = model(token, positions, cache_step=step)
-    next_token = sample(_logits(model, hidden), temperature, top_k, top_p)
+    next_token = sample(_logits(model, hidden, aligned_head), temperature, top_k, top_p)
     next_token = torch.where(finished, eos_id, next_token)
     return next_token, finished | (next_token == eos_id)
 
@@ -300,6 +337,7 @@ def generate(
         decoder = fused_decoder(model)           # kept with the cache, CUDA graph and all, for the next call
         decoder.start(token, pad, P, eos)
     step_fn = compiled_decode_one_token(decode.dynamic) if compile and not fused else decode_one_token
+    aligned_head = aligned_lm_head(model) if decode.aligned_logits and not fused else None
     warmup_steps = min(2, max_new_tokens - 1) if compile else 0   # compile + CUDA graph capture
     input_pos = torch.tensor([P], dtype=torch.int64, device=device)
     steps, warmup_seconds = 0, 0.0
@@ -313,7 +351,7 @@ def generate(
             token, finished = step_fn(model, token[:, None], input_pos, pad, finished,
                                       decode.attend_len(P + steps, cache_len), eos, sampling.temperature,
                                       sampling.top_k, sampling.top_p, decode.attention, decode.additive_mask,
-                                      decode.cache_write)
+                                      decode.cache_write, aligned_head)
             token, finished = token.clone(), finished.clone()   # a graph's outputs are overwritten by its next replay
             input_pos += 1
             outputs.append(token)

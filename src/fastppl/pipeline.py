@@ -184,11 +184,12 @@ def evaluate(config: EvalConfig) -> dict:
         loss = "fused" if fused_loss_available(device) else "chunked"
     elif loss == "fused" and not fused_loss_available(device):
         raise FastpplError("--loss fused needs a CUDA device and Triton; use --loss chunked")
-    compiled, compile_reason = use_compile(config.compile, device, n_scored, loss, model_family(model))
+    window_lengths = np.array([r.window.length for r in refs], dtype=np.int64)
+    compiled, compile_reason = use_compile(config.compile, device, n_scored, loss, model_family(model),
+                                           scored_share=n_scored / int(window_lengths.sum()))
     # refs are in plan order (documents in order, windows in order): the window index of the batch plan
     batching, batching_reason = resolve_batching(config.batching, len(scored_documents), takes_document_ids(model),
                                                  varlen_available(device, dtype), compiled)
-    window_lengths = np.array([r.window.length for r in refs], dtype=np.int64)
     if compiled and batching == "packed" and device.type == "cuda":
         # FlexAttention document masks inside the compiled scorer hit an illegal memory access in
         # Inductor on torch 2.11 (tests/test_document_attention.py on the H200); eager packing is exact.

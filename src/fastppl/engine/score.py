@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from collections import deque
 from typing import Callable, Iterable, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -16,14 +17,25 @@ from ..errors import is_out_of_memory
 from ..models.attention import DocumentIds, DocumentSpans
 from .loss import chunked_token_nll, token_nll_fn
 
-# (input_ids, targets, score_mask[, position_ids, document_ids]) -> (B, T) NLL
+# (input_ids, targets, score_mask[, position_ids, document_ids][, scored_rows=]) -> (B, T) NLL
 ScoreFn = Callable[..., torch.Tensor]
+
+# batches with fewer scored positions than this share of their B*T run the loss on the scored ones only
+GATHER_BELOW = 0.97
+GATHER_MULTIPLE = 64
 
 
 def make_score_fn(model: nn.Module, chunk_rows: int = 8192, loss: str = "chunked") -> ScoreFn:
     """(input_ids, targets, score_mask), each (B, T) -> (B, T) fp32 NLL, 0 where not scored.
     loss: "chunked" (any device) or "fused" (the Triton kernel, CUDA). Packed rows also pass
-    position_ids (B, T) and document_ids ((B, T) ids or a DocumentSpans), which go to the model as they are."""
+    position_ids (B, T) and document_ids ((B, T) ids or a DocumentSpans), which go to the model as they are.
+
+    With the fused loss the scorer also takes scored_rows= (n,) int64, the flat indices of the scored
+    positions (an index may repeat), and runs the loss on those rows only: a window's context and padding skip the vocabulary
+    product (about a third of a GPT-2 forward). The fused kernel computes each row alone, so a row's NLL
+    is bit for bit the same whichever rows share its batch. The chunked loss's matmul can round a row
+    differently as the number of rows changes (BLAS picks its kernel by shape), which would break equal
+    results across batch sizes and process counts, so it always runs on every position."""
     weight = model.lm_head.weight
     bias = getattr(model.lm_head, "bias", None)
     token_nll = token_nll_fn(loss, chunk_rows)
@@ -31,16 +43,34 @@ def make_score_fn(model: nn.Module, chunk_rows: int = 8192, loss: str = "chunked
     def score(
         input_ids: torch.Tensor, targets: torch.Tensor, score_mask: torch.Tensor,
         position_ids: Optional[torch.Tensor] = None, document_ids: Optional[DocumentIds] = None,
+        scored_rows: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         B, T = input_ids.shape
         if document_ids is None:
             hidden = model(input_ids)                                    # (B, T, C)
         else:
             hidden = model(input_ids, position_ids, document_ids)        # (B, T, C)
-        nll = token_nll(hidden.reshape(B * T, -1), weight, targets.reshape(B * T), bias)
-        return torch.where(score_mask, nll.view(B, T), 0.0)
+        hidden, targets = hidden.reshape(B * T, -1), targets.reshape(B * T)
+        if scored_rows is None:
+            nll = token_nll(hidden, weight, targets, bias)
+            return torch.where(score_mask, nll.view(B, T), 0.0)
+        nll = token_nll(hidden.index_select(0, scored_rows), weight, targets.index_select(0, scored_rows), bias)
+        return nll.new_zeros(B * T).index_copy_(0, scored_rows, nll).view(B, T)
 
+    score.gathers_scored_rows = loss == "fused"
     return score
+
+
+def scored_rows_of(batch: Batch, device: torch.device) -> Optional[torch.Tensor]:
+    """The flat indices of the batch's scored positions, on the device, or None when (nearly) every
+    position is scored and gathering them would only cost a copy."""
+    # a row count that is a multiple of GATHER_MULTIPLE keeps the loss kernel to one compiled variant
+    # (Triton specialises on divisibility by 16): the last row repeats, and its copies write the same value
+    n_rows = batch.n_scored + -batch.n_scored % GATHER_MULTIPLE
+    if batch.n_scored == 0 or n_rows > GATHER_BELOW * batch.score_mask.size:
+        return None
+    rows = np.flatnonzero(batch.score_mask.reshape(-1))
+    return to_device(np.pad(rows, (0, n_rows - len(rows)), mode="edge"), device)
 
 
 @dataclass
@@ -130,9 +160,12 @@ def score_batches(
         if document_ids is not None and batch.cu_seqlens is not None:
             # the same documents as segments too, for variable-length attention (fastppl.models.attention)
             document_ids = DocumentSpans(document_ids, to_device(batch.cu_seqlens, device), batch.max_seqlen)
-        # unpacked batches call score_fn with three arguments, as any scorer of (B, T) rows takes
+        # unpacked batches call score_fn with three arguments, as any scorer of (B, T) rows takes (and
+        # scored_rows= when it says it gathers them)
         packed = () if document_ids is None else (position_ids, document_ids)
-        nll = score_fn(input_ids, targets, score_mask, *packed)         # (B, T) fp32
+        scored_rows = scored_rows_of(batch, device) if getattr(score_fn, "gathers_scored_rows", False) else None
+        gather = {} if scored_rows is None else {"scored_rows": scored_rows}
+        nll = score_fn(input_ids, targets, score_mask, *packed, **gather)   # (B, T) fp32
         accumulate(sums, nll, score_mask, device, position_ids, batch.target_document, batch.token_index)
         if on_batch is not None:
             on_batch(batch)
