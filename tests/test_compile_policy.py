@@ -33,7 +33,7 @@ def test_auto_keeps_gpt2_sliding_windows_eager_with_the_fused_loss():
     positions only, which beats compiling for GPT-2 at any length (docs/BENCHMARKS.md, session 9)."""
     n = 10**12
     on, reason = use_compile("auto", CUDA, n, "fused", "gpt2", scored_share=0.5)
-    assert on is False and "50 % of the positions read are scored" in reason
+    assert on is False and "50.0 % of the positions read are scored" in reason
     assert use_compile("auto", CUDA, n, "fused", "gpt2", scored_share=1.0)[0] is True
     assert use_compile("auto", CUDA, n, "chunked", "gpt2", scored_share=0.5)[0] is True   # chunked never gathers
     assert use_compile("auto", CUDA, n, "fused", "llama", scored_share=0.5)[0] is True    # not measured: as before

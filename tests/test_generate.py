@@ -145,8 +145,7 @@ def test_benchmark_generate_reports_decode_speed():
 
 
 DECODE_VARIANTS = ["cache_write=per_row", "attention=matmul", "attention=reduction", "additive_mask=true", "cache_write=index_copy",
-                   "attend_bucket=8", "attention=reduction,additive_mask=1,cache_write=index_copy,attend_bucket=8",
-                   "aligned_logits=0"]
+                   "attend_bucket=8", "attention=reduction,additive_mask=1,cache_write=index_copy,attend_bucket=8"]
 
 
 @pytest.mark.parametrize("options", DECODE_VARIANTS)
@@ -205,11 +204,11 @@ def test_compiled_decode_with_aligned_logits_gives_the_eager_tokens():
     model = _model("gpt2-tiny").cuda()
     prompts = _prompts([9, 2, 5, 13])
     aligned = DecodeOptions(fused=False, aligned_logits=True)
-    expected = generate(model, prompts, 24, eos_id=None, compile=False).tokens
+    plain = DecodeOptions(fused=False, aligned_logits=False)
+    expected = generate(model, prompts, 24, eos_id=None, compile=False, decode=plain).tokens
     for _ in range(2):
         assert generate(model, prompts, 24, eos_id=None, compile=True, decode=aligned).tokens == expected
     sampling = Sampling(temperature=1.0, top_k=50, seed=3)
-    plain = DecodeOptions(fused=False, aligned_logits=False)
     sampled = generate(model, prompts, 24, sampling, eos_id=None, compile=True, decode=plain)
     assert generate(model, prompts, 24, sampling, eos_id=None, compile=True, decode=aligned).tokens == sampled.tokens
 
@@ -237,7 +236,30 @@ def test_aligned_lm_head_pads_with_zero_rows_and_is_kept_while_the_weights_stand
     assert torch.equal(weight[:V], model.lm_head.weight) and not weight[V:].any()
     assert bias is None or (torch.equal(bias[:V], model.lm_head.bias) and not bias[V:].any())
     assert aligned_lm_head(model)[0] is weight          # the same tensor again: a CUDA graph keeps its address
+
+    def fresh():   # a new copy, equal to the weights as they are now
+        padded = aligned_lm_head(model)[0]
+        assert torch.equal(padded[:V], model.lm_head.weight)
+        return padded
+
     with torch.no_grad():
-        model.lm_head.weight.mul_(2)
-    refreshed = aligned_lm_head(model)[0]
-    assert refreshed is not weight and torch.equal(refreshed[:V], model.lm_head.weight)
+        model.lm_head.weight.mul_(2)                    # in place: the version moves
+    weight = fresh()
+    model.half().float()                                # new tensors, which could reuse the old addresses
+    weight = fresh()
+    model.lm_head.weight.data = torch.randn_like(model.lm_head.weight)   # .data replaced: no version change
+    assert fresh() is not weight
+    with torch.inference_mode():
+        frozen = _model("gpt2-tiny")
+    assert aligned_lm_head(frozen) is None              # no version counter: the plain product
+
+
+def test_logits_over_the_aligned_head_are_the_plain_ones():
+    from fastppl.generate import _logits, aligned_lm_head
+    model = _model("gpt2-tiny")
+    hidden = torch.randn(3, 2, model.lm_head.weight.shape[1])
+    aligned = _logits(model, hidden, aligned_lm_head(model))
+    plain = _logits(model, hidden)
+    assert aligned.shape == plain.shape == (3, model.lm_head.weight.shape[0]) and aligned.dtype == torch.float32
+    torch.testing.assert_close(aligned, plain, rtol=1e-5, atol=1e-5)
+    assert torch.equal(aligned.argmax(-1), plain.argmax(-1))

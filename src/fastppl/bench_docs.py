@@ -211,7 +211,7 @@ def packed_kernel_agreement(model: nn.Module, documents: Sequence[np.ndarray], c
 def run_docs_bench(model_spec: str = "random:gpt2", n_documents: int = 10_000, ctx: int = 1024,
                    batch_size: int = 64, device_name: str = "auto", loss: str = "auto", compile: str = "auto",
                    seed: int = 0, log: Callable[[str], None] = print) -> dict:
-    from .accel.compile import allow_shapes, compile_score_fn, use_compile
+    from .accel.compile import allow_shapes, compile_score_fn, model_family, use_compile
     from .engine.loss import fused_loss_available
     from .engine.score import make_score_fn
     from .models.attention import document_attention_backend
@@ -241,7 +241,8 @@ def run_docs_bench(model_spec: str = "random:gpt2", n_documents: int = 10_000, c
     hf_model = native_to_hf(native).to(device=device, dtype=dtype).eval()
     model = native.to(dtype).eval()
     # compile as eval would for a run of this size (auto), unless told
-    compiled, compile_reason = use_compile(compile, device, corpus.n_tokens, loss)
+    compiled, compile_reason = use_compile(compile, device, corpus.n_tokens, loss, model_family(native),
+                                           scored_share=corpus.n_tokens / int(corpus.window_lengths.sum()))
     eager_score_fn = score_fn = make_score_fn(model, loss=loss)
     if compiled:
         score_fn = compile_score_fn(eager_score_fn)

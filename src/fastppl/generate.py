@@ -53,9 +53,9 @@ class DecodeOptions:
     # to all of them (one compiled shape per bucket; 0 = always the whole cache)
     attend_bucket: int = 0
     dynamic: Optional[bool] = None   # torch.compile's dynamic; False compiles every batch size and bucket apart
-    # the vocabulary product over lm_head's rows padded with zeros to a multiple of LOGITS_ALIGN (the padding
-    # ids' logits are cut before sampling): GPT-2's 50,257 ids give cuBLAS an output row it cannot align.
-    # Measured on the H200, compiled step: -14 % a step at batch 8 and 64, -9 % at 128 (docs/BENCHMARKS.md)
+    # the compiled step's vocabulary product over lm_head's rows padded with zeros to a multiple of
+    # LOGITS_ALIGN (the padding ids' logits are cut before sampling): GPT-2's 50,257 ids give cuBLAS an output
+    # row it cannot align. Measured on the H200: -14 % a step at batch 8 and 64, -9 % at 128 (docs/BENCHMARKS.md)
     aligned_logits: bool = True
 
     def __post_init__(self) -> None:
@@ -170,21 +170,27 @@ def _logits(model: nn.Module, hidden: torch.Tensor, aligned_head: Optional[tuple
     return F.linear(hidden[:, -1], weight, bias)[:, :model.lm_head.weight.shape[0]].float()
 
 
-_aligned_heads: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # model -> (key, (weight, bias))
+# model -> (the lm_head tensors the copy was made from, their versions, the padded (weight, bias))
+_aligned_heads: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def aligned_lm_head(model: nn.Module) -> Optional[tuple]:
     """(weight, bias) of lm_head with zero rows appended up to a multiple of LOGITS_ALIGN ids, or None when V
-    already is one. Kept per model while its lm_head is unchanged, so that a compiled step's CUDA graph sees
-    the same tensors (marked static: never copied into the graph's inputs) at every call."""
+    already is one, or when the weights are inference tensors (they keep no version counter, so a change
+    to them in place could not be seen). Kept per model while its lm_head is unchanged, so that a compiled
+    step's CUDA graph sees the same tensors (marked static: never copied into the graph's inputs) at every call."""
     weight, bias = model.lm_head.weight, getattr(model.lm_head, "bias", None)
     extra = -weight.shape[0] % LOGITS_ALIGN
-    if extra == 0:
+    sources = (weight,) if bias is None else (weight, bias)
+    if extra == 0 or any(t.is_inference() for t in sources):
         return None
-    key = (weight.data_ptr(), weight._version, weight.dtype, None if bias is None else (bias.data_ptr(), bias._version))
     cached = _aligned_heads.get(model)
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    # the cache holds the source tensors, so their memory cannot be reused by a new weight at the same address
+    # (a model converted with .half().float(), or .data replaced); in-place changes bump the version
+    if cached is not None and len(cached[0]) == len(sources) and all(
+            old.data_ptr() == new.data_ptr() and old.dtype == new.dtype and old.device == new.device
+            and version == new._version for old, new, version in zip(cached[0], sources, cached[1])):
+        return cached[2]
     with torch.no_grad():
         padded = (torch.cat([weight, weight.new_zeros(extra, weight.shape[1])]),
                   None if bias is None else torch.cat([bias, bias.new_zeros(extra)]))
@@ -192,7 +198,7 @@ def aligned_lm_head(model: nn.Module) -> Optional[tuple]:
         for tensor in padded:
             if tensor is not None:
                 torch._dynamo.mark_static_address(tensor)
-    _aligned_heads[model] = (key, padded)
+    _aligned_heads[model] = (tuple(t.detach() for t in sources), tuple(t._version for t in sources), padded)
     return padded
 
 
@@ -337,7 +343,9 @@ def generate(
         decoder = fused_decoder(model)           # kept with the cache, CUDA graph and all, for the next call
         decoder.start(token, pad, P, eos)
     step_fn = compiled_decode_one_token(decode.dynamic) if compile and not fused else decode_one_token
-    aligned_head = aligned_lm_head(model) if decode.aligned_logits and not fused else None
+    # the compiled step only: measured there (docs/BENCHMARKS.md, session 9); elsewhere the copy would cost
+    # memory for nothing shown
+    aligned_head = aligned_lm_head(model) if decode.aligned_logits and compile and not fused else None
     warmup_steps = min(2, max_new_tokens - 1) if compile else 0   # compile + CUDA graph capture
     input_pos = torch.tensor([P], dtype=torch.int64, device=device)
     steps, warmup_seconds = 0, 0.0

@@ -38,7 +38,7 @@ def use_compile(setting: str, device: torch.device, n_tokens: int, loss: str = "
     if family == "gpt2" and loss == "fused" and scored_share < GATHER_BELOW:
         # measured on the H200 at stride ctx/2 and ctx/4: the eager scorer with the loss on the scored
         # positions only is 1.24x and 1.28x the compiled one, which runs it on every position
-        return False, (f"off (auto: {100 * scored_share:.0f} % of the positions read are scored; the eager fused "
+        return False, (f"off (auto: {100 * scored_share:.1f} % of the positions read are scored; the eager fused "
                        "loss on those only is faster than compiling)")
     if n_tokens < COMPILE_MIN_TOKENS[family, loss]:
         return False, (f"off (auto: {n_tokens:,} tokens are too few to repay compiling this model with the "
