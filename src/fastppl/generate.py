@@ -164,10 +164,9 @@ def padded_mask(pad: torch.Tensor, query_slots: torch.Tensor, cache_len: int) ->
 def _logits(model: nn.Module, hidden: torch.Tensor, aligned_head: Optional[tuple] = None) -> torch.Tensor:
     """fp32 logits (B, V) of the last position of hidden (B, T, C); through aligned_head's (weight, bias) when
     given (aligned_lm_head), cut back to the V real ids."""
-    if aligned_head is None:
-        return F.linear(hidden[:, -1], model.lm_head.weight, getattr(model.lm_head, "bias", None)).float()
-    weight, bias = aligned_head
-    return F.linear(hidden[:, -1], weight, bias)[:, :model.lm_head.weight.shape[0]].float()
+    plain_head = (model.lm_head.weight, getattr(model.lm_head, "bias", None))
+    weight, bias = plain_head if aligned_head is None else aligned_head
+    return F.linear(hidden[:, -1], weight, bias)[:, :plain_head[0].shape[0]].float()
 
 
 # model -> (the lm_head tensors the copy was made from, their versions, the padded (weight, bias))
