@@ -162,3 +162,44 @@ def test_the_fused_scorer_runs_the_loss_on_the_scored_positions_only(monkeypatch
     scored = ~torch.isnan(every_position.per_token)
     assert torch.equal(scored, ~torch.isnan(gathered.per_token))
     torch.testing.assert_close(gathered.per_token[scored], every_position.per_token[scored], rtol=1e-6, atol=1e-6)
+
+
+def _never_probe(rows):
+    raise AssertionError("the probe ran although the memory bound shows the largest batch fits")
+
+
+def test_auto_batch_size_skips_the_probe_where_the_memory_bound_fits(monkeypatch):
+    from fastppl.accel import batch_size
+    model = random_gpt2("gpt2-tiny")
+    bound = batch_size.scoring_memory_bound(model, 1024, 2, "chunked", 8192)
+    monkeypatch.setattr(batch_size, "_free_bytes", lambda device: 4 * bound.total(batch_size.MAX_AUTO_BATCH))
+    rows, reason = batch_size.auto_batch_size(_never_probe, 1000, torch.device("cuda"), bound=bound)
+    assert rows == batch_size.MAX_AUTO_BATCH and "no probe" in reason
+    rows, _ = batch_size.auto_batch_size(_never_probe, 123, torch.device("cuda"), bound=bound)
+    assert rows == 120    # every window in one batch, cut to a multiple of 8
+
+
+def test_auto_batch_size_probes_where_the_memory_bound_does_not_fit(monkeypatch):
+    from fastppl.accel import batch_size
+    bound = batch_size.MemoryBound(per_row=1e9, fixed=0)
+    probed = []
+    monkeypatch.setattr(batch_size, "_free_bytes", lambda device: 40e9)
+    monkeypatch.setattr(batch_size, "_measured_bytes_per_row",
+                        lambda probe, rows, device: (probed.append(rows), 0.5e9)[1])
+    rows, reason = batch_size.auto_batch_size(_never_probe, 1000, torch.device("cuda"), bound=bound)
+    assert probed == [4] and reason == "auto: probed 4 rows"
+    assert rows == 56     # 0.75 * 40 GB / 0.5 GB = 60 rows, cut to a multiple of 8
+    probed.clear()
+    rows, _ = batch_size.auto_batch_size(_never_probe, 1000, torch.device("cuda"), bound=None)
+    assert probed == [4] and rows == 56
+
+
+def test_memory_bound_covers_fastppl_models_only_and_grows_with_the_row_length():
+    from fastppl.accel.batch_size import scoring_memory_bound
+    from fastppl.models.loading import random_native
+    gpt2, llama = random_gpt2("gpt2-tiny"), random_native("llama-tiny")
+    for model in (gpt2, llama):
+        short, long = (scoring_memory_bound(model, t, 2, "chunked", 8192) for t in (256, 1024))
+        assert 4 * short.per_row < long.per_row and short.fixed == long.fixed > 0
+        assert scoring_memory_bound(model, 1024, 2, "fused", 8192).fixed == 0
+    assert scoring_memory_bound(torch.nn.Linear(4, 4), 1024, 2, "chunked", 8192) is None

@@ -132,3 +132,30 @@ def test_fused_scorer_on_the_scored_rows_only_is_bit_for_bit_the_full_one():
         gathered = score(inputs, targets, mask, scored_rows=rows)
     assert torch.equal(full, gathered)
     assert full[mask].gt(0).all() and gathered[~mask].eq(0).all()
+
+
+@pytest.mark.parametrize("preset", ["gpt2", "llama-1b"])
+@pytest.mark.parametrize("loss", ["fused", "chunked"])
+def test_memory_bound_covers_a_measured_scoring_batch(preset, loss):
+    """--batch-size auto skips its probe where scoring_memory_bound says the batch fits: the bound must be
+    above what a batch really adds, with room (it doubles its count; half of it must still cover)."""
+    from fastppl.accel.batch_size import BOUND_SAFETY, scoring_memory_bound
+    from fastppl.engine.score import make_score_fn
+    from fastppl.models.loading import random_native
+    device, seq_len = torch.device("cuda"), 1024
+    model = random_native(preset, 0, device).to(torch.bfloat16).eval()
+    score = make_score_fn(model, 8192, loss)
+    bound = scoring_memory_bound(model, seq_len, 2, loss, 8192)
+    for rows in (4, 16):
+        ids = torch.randint(0, 1000, (rows, seq_len), device=device)
+        mask = torch.ones(rows, seq_len, dtype=torch.bool, device=device)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.inference_mode():
+            score(ids, ids, mask)
+        torch.cuda.synchronize()
+        added = torch.cuda.max_memory_allocated() - base
+        print(f"{preset} {loss} {rows} rows: added {added / 2**20:.0f} MiB, bound {bound.total(rows) / 2**20:.0f} MiB")
+        assert added <= bound.total(rows) / BOUND_SAFETY

@@ -100,6 +100,22 @@ def test_cache_is_keyed_by_tokenizer(cache, gpt2, tokenizer_dir, tmp_path):
     assert len(list((cache / "tokens").glob("*.npy"))) == 2
 
 
+def test_cache_is_keyed_by_the_tokenizer_file(cache, gpt2, tokenizer_dir, tmp_path):
+    # tokenizer.json alone changed (read without transformers, fingerprinted by its bytes): other ids
+    other_dir = tmp_path / "edited-tokenizer"
+    shutil.copytree(tokenizer_dir, other_dir)
+    spec = json.loads((other_dir / "tokenizer.json").read_text())
+    spec["pre_tokenizer"]["add_prefix_space"] = True
+    (other_dir / "tokenizer.json").write_text(json.dumps(spec))
+    other = load_tokenizer(str(other_dir))
+    assert other.fingerprint != gpt2.fingerprint
+    assert load_tokenizer(str(tokenizer_dir)).fingerprint == gpt2.fingerprint   # stable across loads
+    ids = encode_cached(gpt2, LONG_TEXT)
+    other_ids = encode_cached(other, LONG_TEXT)
+    assert not np.array_equal(ids, other_ids)
+    assert np.array_equal(other_ids, other.encode(LONG_TEXT))
+
+
 def test_damaged_cache_entry_is_recomputed(cache, gpt2):
     ids = encode_cached(gpt2, LONG_TEXT)
     [entry] = (cache / "tokens").glob("*.npy")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -324,5 +325,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
 
 
+def run() -> None:
+    """The `fastppl` command. A process that used CUDA leaves without the interpreter's teardown, which took
+    0.6 s on the H200 (docs/BENCHMARKS.md, session 11): by now every output file is written and closed, and
+    the driver frees the device. A rank of a process group exits normally, so that the group is torn down."""
+    code = main()
+    torch = sys.modules.get("torch")
+    if (torch is not None and torch.cuda.is_initialized()
+            and not (torch.distributed.is_available() and torch.distributed.is_initialized())):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from . import __version__
-from .accel.batch_size import auto_batch_size, balanced_batch_size
+from .accel.batch_size import auto_batch_size, balanced_batch_size, scoring_memory_bound
 from .accel.compile import allow_shapes, compile_score_fn, model_family, use_compile
 from .accel.fused_mlp import fuse_mlp_epilogue
 from .accel.warm_up import start_cuda_warm_up
@@ -188,8 +188,10 @@ def evaluate(config: EvalConfig) -> dict:
     compiled, compile_reason = use_compile(config.compile, device, n_scored, loss, model_family(model),
                                            scored_share=n_scored / int(window_lengths.sum()))
     # refs are in plan order (documents in order, windows in order): the window index of the batch plan
+    # asked only where auto could pack: its first call imports torch's varlen module (0.3 s on the H200)
+    varlen = len(scored_documents) > 1 and varlen_available(device, dtype)
     batching, batching_reason = resolve_batching(config.batching, len(scored_documents), takes_document_ids(model),
-                                                 varlen_available(device, dtype), compiled)
+                                                 varlen, compiled)
     if compiled and batching == "packed" and device.type == "cuda":
         # FlexAttention document masks inside the compiled scorer hit an illegal memory access in
         # Inductor on torch 2.11 (tests/test_document_attention.py on the H200); eager packing is exact.
@@ -212,19 +214,21 @@ def evaluate(config: EvalConfig) -> dict:
     if config.batch_size == "auto":
         probe_sums = DeviceSums.zeros(ctx, device)
         longest = [refs[int(np.argmax(window_lengths))]]   # every rank probes with the same window
-        batch_size = auto_batch_size(
+        bound = scoring_memory_bound(model, int(window_lengths.max()), dtype.itemsize, loss, config.loss_chunk_rows)
+        batch_size, batch_size_reason = auto_batch_size(
             lambda rows: score_batches(score_fn, [make_batch(longest * rows, stream_ids, target_offsets, rows, ctx)],
-                                       probe_sums, device), len(refs), device)
+                                       probe_sums, device), len(refs), device, bound=bound)
         if dist:
             batch_size = dist.min_over_ranks(batch_size)
     else:
-        batch_size = min(config.batch_size, len(refs))
+        batch_size, batch_size_reason = min(config.batch_size, len(refs)), "--batch-size"
     plans = plan_batches(window_lengths, batching, ctx, batch_size)
     if config.batch_size == "auto":
         balanced = balanced_batch_size(batch_size, len(refs))
         balanced_plans = plan_batches(window_lengths, batching, ctx, balanced) if balanced < batch_size else plans
         if sum(p.n_rows * p.seq_len for p in balanced_plans) < sum(p.n_rows * p.seq_len for p in plans):
             batch_size, plans = balanced, balanced_plans   # fewer padding rows in the last batch
+            batch_size_reason += f", balanced to {balanced} rows"
     timings["choose_batch_size"] = time.perf_counter() - mark
     if compiled:
         allow_shapes(len({(p.n_rows, p.seq_len) for p in plans}))
@@ -339,6 +343,7 @@ def evaluate(config: EvalConfig) -> dict:
         "residual_norms": residual_norms,
         "loss": loss,
         "batch_size": batch_size,
+        "batch_size_reason": batch_size_reason,
         "kv_cache": kv_cache_reason,
         "tokens_forwarded": tokens_forwarded,   # token positions run through the model
         "tokens_forwarded_without_cache": sum(r.window.length for r in refs),

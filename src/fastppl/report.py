@@ -132,6 +132,8 @@ def summary(result: dict) -> str:
         + (f" ({result['document_attention']} attention)" if result.get("document_attention") else "")
         + (f"  {result['batches']:,} batches  padding waste {result['padding_waste']:.1%} (padded tokens / real tokens)"
            if result.get("batches") is not None else "")
+        + (f"  batch size {result['batch_size']}" + (f" ({result['batch_size_reason']})"
+           if result.get("batch_size_reason") else "") if result.get("batch_size") else "")
         + (f"  resumed after batch {result['resumed_from_batch']:,}" if result.get("resumed_from_batch") else ""),
         f"tokens      {result['tokens_scored']:,} scored of {result['tokens_total']:,}  ({result['bytes']:,} bytes)",
         f"nll         {result['nll']:.6f} nats/token",

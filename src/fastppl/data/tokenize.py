@@ -45,6 +45,15 @@ def _fingerprint(backend) -> str:
     return hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest()[:16]
 
 
+def _file_fingerprint(path: Path) -> str:
+    """The fingerprint of a tokenizer read from `path` alone: its bytes and the library that reads them. Hashing
+    the file is cheaper than serialising the tokenizer again (0.13 s on the H200 machine, for GPT-2's)."""
+    import tokenizers
+    digest = hashlib.sha256(f"tokenizers {tokenizers.__version__}\n".encode())
+    digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def _special_token(config: dict, key: str):
     value = config.get(key)
     return value.get("content") if isinstance(value, dict) else value
@@ -62,6 +71,7 @@ def _load_tokenizer_json(directory: Path, name: str) -> Optional[Tokenizer]:
     try:
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
         backend = RustTokenizer.from_file(str(directory / "tokenizer.json"))
+        fingerprint = _file_fingerprint(directory / "tokenizer.json")
     except Exception:   # unreadable or unusual: let transformers try, and report its error
         return None
     if config.get("tokenizer_class") not in (None, "GPT2Tokenizer", "GPT2TokenizerFast", "PreTrainedTokenizerFast"):
@@ -71,7 +81,7 @@ def _load_tokenizer_json(directory: Path, name: str) -> Optional[Tokenizer]:
     ids = {key: backend.token_to_id(token) if isinstance(token, str) else None
            for key in ("bos_token", "eos_token") for token in [_special_token(config, key)]}
     bos_id = ids["bos_token"] if ids["bos_token"] is not None else ids["eos_token"]
-    return Tokenizer(backend=backend, name=name, fingerprint=_fingerprint(backend), bos_id=bos_id,
+    return Tokenizer(backend=backend, name=name, fingerprint=fingerprint, bos_id=bos_id,
                      eos_id=ids["eos_token"], vocab_size=backend.get_vocab_size(with_added_tokens=True))
 
 
