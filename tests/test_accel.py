@@ -203,3 +203,38 @@ def test_memory_bound_covers_fastppl_models_only_and_grows_with_the_row_length()
         assert 4 * short.per_row < long.per_row and short.fixed == long.fixed > 0
         assert scoring_memory_bound(model, 1024, 2, "fused", 8192).fixed == 0
     assert scoring_memory_bound(torch.nn.Linear(4, 4), 1024, 2, "chunked", 8192) is None
+
+
+def test_triton_warm_up_fills_the_kernel_cache_key():
+    pytest.importorskip("triton")
+    from fastppl.accel import warm_up
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        from triton.compiler.compiler import triton_key
+    triton_key.cache_clear()
+    warm_up._warm_up_triton()
+    assert triton_key.cache_info().currsize == 1   # what a kernel's first launch would otherwise compute
+    assert warm_up.start_cuda_warm_up(torch.device("cpu")) == []
+
+
+def test_evaluate_waits_for_the_warm_up_before_the_first_kernel(monkeypatch, tmp_path, tokenizer_dir):
+    import fastppl.engine.score as score
+    import fastppl.pipeline as pipeline
+    events = []
+
+    class Thread:
+        def join(self):
+            events.append("joined")
+
+    real_score_batches = score.score_batches
+    monkeypatch.setattr(pipeline, "start_cuda_warm_up", lambda device: [Thread()])
+    monkeypatch.setattr(pipeline, "score_batches",
+                        lambda *a, **k: (events.append("scored"), real_score_batches(*a, **k))[1])
+    monkeypatch.setattr(pipeline, "score_plans",
+                        lambda *a, **k: (events.append("scored"), score.score_plans(*a, **k))[1])
+    text = tmp_path / "t.txt"
+    text.write_text("Now is the winter of our discontent made glorious summer by this sun of York. " * 8)
+    result = evaluate(EvalConfig(model="random:gpt2-tiny", data=[str(text)], tokenizer=str(tokenizer_dir), ctx=64,
+                                 device="cpu", batch_size="auto", quiet=True))
+    assert events[0] == "joined" and "scored" in events and "wait_for_warm_up" in result["stage_seconds"]

@@ -127,8 +127,8 @@ def evaluate(config: EvalConfig) -> dict:
     dist = init_distributed(config.device)   # None on one process
     device = dist.device if dist else resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    if not dist:
-        start_cuda_warm_up(device)   # overlaps the CUDA context's creation with reading corpus and tokenizer
+    # overlaps the CUDA context's creation and Triton's first use with reading corpus, tokenizer and weights
+    warm_ups = start_cuda_warm_up(device) if not dist else []
 
     documents = [d for source in config.data for d in load_documents(
         source, config.split, config.text_field, config.data_dir, config.errors)]
@@ -210,6 +210,12 @@ def evaluate(config: EvalConfig) -> dict:
         score_fn = compile_score_fn(score_fn)
     stream_ids, target_offsets = [s.ids for s in streams], [s.offset_of_target for s in streams]
     timings["prepare"] = time.perf_counter() - mark
+    mark = time.perf_counter()
+    for thread in warm_ups:
+        # before the first kernel: Triton's cache key is an lru_cache, not a lock, so a kernel launched while
+        # the thread still hashes would hash everything again (0.7 s on the H200, docs/BENCHMARKS.md session 12)
+        thread.join()
+    timings["wait_for_warm_up"] = time.perf_counter() - mark
     mark = time.perf_counter()
     if config.batch_size == "auto":
         probe_sums = DeviceSums.zeros(ctx, device)
