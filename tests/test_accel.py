@@ -238,3 +238,25 @@ def test_evaluate_waits_for_the_warm_up_before_the_first_kernel(monkeypatch, tmp
     result = evaluate(EvalConfig(model="random:gpt2-tiny", data=[str(text)], tokenizer=str(tokenizer_dir), ctx=64,
                                  device="cpu", batch_size="auto", quiet=True))
     assert events[0] == "joined" and "scored" in events and "wait_for_warm_up" in result["stage_seconds"]
+
+
+
+def test_the_triton_warm_up_needs_no_torch_and_starts_once():
+    import subprocess
+    import sys
+    pytest.importorskip("triton")
+    code = ("import sys, fastppl.cli, fastppl.accel.warm_up as w; print('torch' in sys.modules); "
+            "t = w.start_triton_warm_up(); print(t.daemon, w.start_triton_warm_up() is t); t.join()")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "True", "True"]   # importable before torch (the CLI overlaps `import torch`)
+
+
+def test_the_cli_starts_the_triton_warm_up_unless_on_the_cpu(monkeypatch, tmp_path):
+    from fastppl.accel import warm_up
+    started = []
+    monkeypatch.setattr(warm_up, "start_triton_warm_up", lambda: started.append(1))
+    missing = str(tmp_path / "missing.txt")
+    assert main(["eval", "--model", "random:gpt2-tiny", "--data", missing, "--device", "cpu"]) == 2
+    assert started == []
+    assert main(["eval", "--model", "random:gpt2-tiny", "--data", missing]) == 2
+    assert started == [1]

@@ -309,6 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)   # for --nproc, which re-runs the command
+    if getattr(args, "device", "cpu") != "cpu":
+        from .accel.warm_up import start_triton_warm_up
+        start_triton_warm_up()   # overlaps the `import torch` that the command is about to do
     try:
         return args.run(args)
     except FastpplError as e:

@@ -212,9 +212,7 @@ def evaluate(config: EvalConfig) -> dict:
     timings["prepare"] = time.perf_counter() - mark
     mark = time.perf_counter()
     for thread in warm_ups:
-        # before the first kernel: Triton's cache key is an lru_cache, not a lock, so a kernel launched while
-        # the thread still hashes would hash everything again (0.7 s on the H200, docs/BENCHMARKS.md session 12)
-        thread.join()
+        thread.join()   # before the first kernel (accel/warm_up.start_cuda_warm_up says why)
     timings["wait_for_warm_up"] = time.perf_counter() - mark
     mark = time.perf_counter()
     if config.batch_size == "auto":
