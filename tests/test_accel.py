@@ -205,19 +205,6 @@ def test_memory_bound_covers_fastppl_models_only_and_grows_with_the_row_length()
     assert scoring_memory_bound(torch.nn.Linear(4, 4), 1024, 2, "chunked", 8192) is None
 
 
-def test_triton_warm_up_fills_the_kernel_cache_key():
-    pytest.importorskip("triton")
-    from fastppl.accel import warm_up
-    try:
-        from triton.runtime.cache import triton_key
-    except ImportError:
-        from triton.compiler.compiler import triton_key
-    triton_key.cache_clear()
-    warm_up._warm_up_triton()
-    assert triton_key.cache_info().currsize == 1   # what a kernel's first launch would otherwise compute
-    assert warm_up.start_cuda_warm_up(torch.device("cpu")) == []
-
-
 def test_evaluate_waits_for_the_warm_up_before_the_first_kernel(monkeypatch, tmp_path, tokenizer_dir):
     import fastppl.engine.score as score
     import fastppl.pipeline as pipeline
@@ -241,14 +228,18 @@ def test_evaluate_waits_for_the_warm_up_before_the_first_kernel(monkeypatch, tmp
 
 
 
-def test_the_triton_warm_up_needs_no_torch_and_starts_once():
+def test_the_triton_warm_up_fills_the_kernel_cache_key_without_torch():
+    # a fresh interpreter, as the CLI starts it: before `import torch`, and importing nothing on its thread
     import subprocess
     import sys
     pytest.importorskip("triton")
     code = ("import sys, fastppl.cli, fastppl.accel.warm_up as w; print('torch' in sys.modules); "
-            "t = w.start_triton_warm_up(); print(t.daemon, w.start_triton_warm_up() is t); t.join()")
+            "t = w.start_triton_warm_up(); print(t.daemon, w.start_triton_warm_up() is t); modules = set(sys.modules); "
+            "t.join(); print(set(sys.modules) == modules, w._triton_key_function().cache_info().currsize)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["False", "True", "True"]   # importable before torch (the CLI overlaps `import torch`)
+    assert out == ["False", "True", "True", "True", "1"]
+    from fastppl.accel.warm_up import start_cuda_warm_up
+    assert start_cuda_warm_up(torch.device("cpu")) == []
 
 
 def test_the_cli_starts_the_triton_warm_up_unless_on_the_cpu(monkeypatch, tmp_path):

@@ -1,7 +1,7 @@
 """Start-up work in the background: the CUDA driver context and the cuBLAS handle on one thread while the main
-thread reads the corpus and the tokenizer, which need no GPU; and Triton's first use (its import, the hash of its
-own sources that keys its kernel cache, and fastppl's kernel modules) on another, started by the CLI before
-`import torch`. torch is imported inside the functions, so that this module can be imported before it."""
+thread reads the corpus and the tokenizer, which need no GPU; and the hash of Triton's sources that keys its kernel
+cache on another, started by the CLI before `import torch`. torch is imported inside the functions, so that this
+module can be imported before it."""
 from __future__ import annotations
 
 import importlib.util
@@ -21,30 +21,36 @@ def _warm_up_cuda(device) -> None:
         pass
 
 
-def _warm_up_triton() -> None:
-    """The first Triton kernel of a process hashed Triton's sources (0.35 s) and imported it (0.2–0.4 s) on the
-    H200 (docs/BENCHMARKS.md, sessions 11 and 12); both are cached for the process. Triton imports without
-    torch, and hashing runs without the GIL, so both overlap `import torch`."""
+def _triton_key_function():
+    """Triton's cache-key function, importing Triton."""
     try:
-        import triton   # noqa: F401
-        try:
-            from triton.runtime.cache import triton_key
-        except ImportError:   # older Triton
-            from triton.compiler.compiler import triton_key
+        from triton.runtime.cache import triton_key
+    except ImportError:   # older Triton
+        from triton.compiler.compiler import triton_key
+    return triton_key
+
+
+def _hash_quietly(triton_key) -> None:
+    try:
         triton_key()   # functools.lru_cache: later launches find it, once this thread has been joined
-        from ..engine import fused_loss   # noqa: F401  (the kernels' @triton.jit definitions; imports torch)
-        from . import fused_norm   # noqa: F401
-    except Exception:   # no Triton, or another layout of it: the kernels pay their first use themselves
+    except Exception:   # the kernels' first launch meets it again, where it can be reported
         pass
 
 
 def start_triton_warm_up() -> Optional[threading.Thread]:
-    """Triton's first use on a thread, started once per process; None without Triton. A daemon: it only imports
-    and hashes, so an early exit need not wait for it."""
+    """A thread that computes Triton's cache key, started once per process; None without Triton. The first kernel
+    of a process hashed Triton's sources there (0.35 s on the H200, docs/BENCHMARKS.md sessions 11 and 12). The
+    thread only reads files and hashes them, which runs without the GIL and overlaps `import torch`; Triton is
+    imported here, on the caller's thread, because two threads importing at once met a circular import
+    half-done (an ImportError in session 12). A daemon, so that an early exit need not wait for it."""
     if not _triton_warm_up:
         if importlib.util.find_spec("triton") is None:
             return None
-        thread = threading.Thread(target=_warm_up_triton, name="fastppl-triton-warm-up", daemon=True)
+        try:
+            triton_key = _triton_key_function()
+        except Exception:   # a Triton that does not import: the kernels report it where they are used
+            return None
+        thread = threading.Thread(target=_hash_quietly, args=(triton_key,), name="fastppl-triton-warm-up", daemon=True)
         thread.start()
         _triton_warm_up.append(thread)
     return _triton_warm_up[0]
