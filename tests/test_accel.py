@@ -176,7 +176,7 @@ def test_auto_batch_size_skips_the_probe_where_the_memory_bound_fits(monkeypatch
     rows, reason = batch_size.auto_batch_size(_never_probe, 1000, torch.device("cuda"), bound=bound)
     assert rows == batch_size.MAX_AUTO_BATCH and "no probe" in reason
     rows, _ = batch_size.auto_batch_size(_never_probe, 123, torch.device("cuda"), bound=bound)
-    assert rows == 120    # every window in one batch, cut to a multiple of 8
+    assert rows == 123    # every window in one batch
 
 
 def test_auto_batch_size_probes_where_the_memory_bound_does_not_fit(monkeypatch):
@@ -227,7 +227,6 @@ def test_evaluate_waits_for_the_warm_up_before_the_first_kernel(monkeypatch, tmp
     assert events[0] == "joined" and "scored" in events and "wait_for_warm_up" in result["stage_seconds"]
 
 
-
 def test_the_triton_warm_up_fills_the_kernel_cache_key_without_torch():
     # a fresh interpreter, as the CLI starts it: before `import torch`, and importing nothing on its thread
     import subprocess
@@ -246,8 +245,24 @@ def test_the_cli_starts_the_triton_warm_up_unless_on_the_cpu(monkeypatch, tmp_pa
     from fastppl.accel import warm_up
     started = []
     monkeypatch.setattr(warm_up, "start_triton_warm_up", lambda: started.append(1))
+    monkeypatch.setattr("fastppl.pipeline.start_cuda_warm_up", lambda device: [])   # on a GPU machine too
     missing = str(tmp_path / "missing.txt")
     assert main(["eval", "--model", "random:gpt2-tiny", "--data", missing, "--device", "cpu"]) == 2
     assert started == []
     assert main(["eval", "--model", "random:gpt2-tiny", "--data", missing]) == 2
     assert started == [1]
+
+
+def test_the_memory_bound_counts_rows_of_ctx_positions(monkeypatch, tmp_path, tokenizer_dir):
+    # windows shorter than ctx still run in rows of ctx positions (padded): a bound for the longest window
+    # would be far too low and skip the probe into an out-of-memory
+    import fastppl.pipeline as pipeline
+    lengths = []
+    real = pipeline.scoring_memory_bound
+    monkeypatch.setattr(pipeline, "scoring_memory_bound",
+                        lambda model, seq_len, *a: (lengths.append(seq_len), real(model, seq_len, *a))[1])
+    text = tmp_path / "t.txt"
+    text.write_text("Now is the winter of our discontent.")
+    evaluate(EvalConfig(model="random:gpt2-tiny", data=[str(text)], tokenizer=str(tokenizer_dir), ctx=64,
+                        device="cpu", batch_size="auto", quiet=True))
+    assert lengths == [64]

@@ -309,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)   # for --nproc, which re-runs the command
-    if getattr(args, "device", "cpu") != "cpu":
+    if getattr(args, "device", "cpu") != "cpu" and getattr(args, "nproc", None) in (None, 1):   # not torchrun's parent
         from .accel.warm_up import start_triton_warm_up
         start_triton_warm_up()   # overlaps the `import torch` that the command is about to do
     try:
@@ -336,8 +336,11 @@ def run() -> None:
     torch = sys.modules.get("torch")
     if (torch is not None and torch.cuda.is_initialized()
             and not (torch.distributed.is_available() and torch.distributed.is_initialized())):
-        sys.stdout.flush()
-        sys.stderr.flush()
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except OSError:   # the reader of a pipe has gone: nothing more can reach it
+            pass
         os._exit(code)
     sys.exit(code)
 

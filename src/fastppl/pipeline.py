@@ -218,12 +218,15 @@ def evaluate(config: EvalConfig) -> dict:
     if config.batch_size == "auto":
         probe_sums = DeviceSums.zeros(ctx, device)
         longest = [refs[int(np.argmax(window_lengths))]]   # every rank probes with the same window
-        bound = scoring_memory_bound(model, int(window_lengths.max()), dtype.itemsize, loss, config.loss_chunk_rows)
+        # rows of ctx positions: a padded or packed row is ctx long, and a bucket's rows hold as many positions
+        bound = scoring_memory_bound(model, ctx, dtype.itemsize, loss, config.loss_chunk_rows)
         batch_size, batch_size_reason = auto_batch_size(
             lambda rows: score_batches(score_fn, [make_batch(longest * rows, stream_ids, target_offsets, rows, ctx)],
                                        probe_sums, device), len(refs), device, bound=bound)
         if dist:
-            batch_size = dist.min_over_ranks(batch_size)
+            fewest = dist.min_over_ranks(batch_size)
+            if fewest < batch_size:
+                batch_size, batch_size_reason = fewest, batch_size_reason + f", the fewest over ranks: {fewest}"
     else:
         batch_size, batch_size_reason = min(config.batch_size, len(refs)), "--batch-size"
     plans = plan_batches(window_lengths, batching, ctx, batch_size)

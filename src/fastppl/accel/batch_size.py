@@ -74,7 +74,8 @@ def auto_batch_size(
         return min(8, n_windows), "auto: 8 rows off CUDA"
     largest = min(MAX_AUTO_BATCH, n_windows)
     if bound is not None and bound.total(largest) <= headroom * _free_bytes(device):
-        return _whole_rows(largest), "auto: fits a memory bound, no probe"
+        # every window in one batch as it is; else a whole number of 8-row tiles
+        return largest if largest == n_windows else _whole_rows(largest), "auto: fits a memory bound, no probe"
     probe_rows = min(probe_rows, n_windows)
     per_row = _measured_bytes_per_row(probe, probe_rows, device)
     rows = max(1, min(int(headroom * _free_bytes(device) / per_row), largest))
