@@ -4,11 +4,10 @@ cache on another, started by the CLI before `import torch`. torch is imported in
 module can be imported before it."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 import threading
 from typing import Optional
-
-_triton_warm_up: list[threading.Thread] = []   # the one Triton warm-up of this process
 
 
 def _warm_up_cuda(device) -> None:
@@ -37,23 +36,22 @@ def _hash_quietly(triton_key) -> None:
         pass
 
 
+@functools.cache   # once per process: later calls return the same thread
 def start_triton_warm_up() -> Optional[threading.Thread]:
     """A thread that computes Triton's cache key, started once per process; None without Triton. The first kernel
     of a process hashed Triton's sources there (0.35 s on the H200, docs/BENCHMARKS.md sessions 11 and 12). The
     thread only reads files and hashes them, which runs without the GIL and overlaps `import torch`; Triton is
     imported here, on the caller's thread, because two threads importing at once met a circular import
     half-done (an ImportError in session 12). A daemon, so that an early exit need not wait for it."""
-    if not _triton_warm_up:
-        if importlib.util.find_spec("triton") is None:
-            return None
-        try:
-            triton_key = _triton_key_function()
-        except Exception:   # a Triton that does not import: the kernels report it where they are used
-            return None
-        thread = threading.Thread(target=_hash_quietly, args=(triton_key,), name="fastppl-triton-warm-up", daemon=True)
-        thread.start()
-        _triton_warm_up.append(thread)
-    return _triton_warm_up[0]
+    if importlib.util.find_spec("triton") is None:
+        return None
+    try:
+        triton_key = _triton_key_function()
+    except Exception:   # a Triton that does not import: the kernels report it where they are used
+        return None
+    thread = threading.Thread(target=_hash_quietly, args=(triton_key,), name="fastppl-triton-warm-up", daemon=True)
+    thread.start()
+    return thread
 
 
 def start_cuda_warm_up(device) -> list[threading.Thread]:
