@@ -1,7 +1,7 @@
 """Fused output projection + cross-entropy for CUDA (Triton): per-token fp32 NLL without ever
 writing a logit to memory. Each program owns BLOCK_M rows of hidden states and walks the vocabulary
 in BLOCK_N tiles: a tile of logits is a (BLOCK_M, BLOCK_N) fp32 matmul result held on chip, folded
-into a running max / sum-of-exponentials (online logsumexp) and a running target logit.
+into a running max / sum-of-exponentials (online logsumexp, in base 2) and a running target logit.
 
     nll[r] = logsumexp_v(h[r] . W[v] + b[v]) - (h[r] . W[target[r]] + b[target[r]])
 
@@ -9,6 +9,7 @@ The logits stay fp32 (never rounded to bf16), so this is slightly more exact tha
 which rounds each logit to the model dtype before upcasting. Reference: engine/loss.py."""
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -20,73 +21,105 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # Triton before 3.4: pointer loads only
+    TensorDescriptor = None
+
 
 if triton is not None:
+    LOG2E = tl.constexpr(1.4426950408889634)
+    LN2 = tl.constexpr(0.6931471805599453)
 
     @triton.jit
-    def _fold_tile(hidden_ptr, weight_ptr, bias_ptr, rows, row_ok, targets, v_start, V, C, stride_hn, stride_wv,
-                   running_max, running_sum, target_logit,
+    def _fold_tile(hidden_src, weight_src, bias_ptr, rows, row_ok, targets, row_start, v_start, V, C, stride_hn,
+                   stride_wv, running_max, running_sum, target_logit,
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   INPUT_PRECISION: tl.constexpr, TAIL: tl.constexpr, EVEN_K: tl.constexpr):
+                   INPUT_PRECISION: tl.constexpr, TAIL: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr):
         """Fold the logits of vocabulary tile [v_start, v_start + BLOCK_N) into the running logsumexp and
         target logit. TAIL: the tile runs past V, so its columns are masked; whole tiles need no masks
-        (peeling the tail off moved the loss from 11.1 to 9.6 ms at GPT-2's shape, docs/BENCHMARKS.md)."""
+        (peeling the tail off moved the loss from 11.1 to 9.6 ms at GPT-2's shape, docs/BENCHMARKS.md).
+        TMA: hidden_src and weight_src are tensor descriptors (Hopper's bulk copies, zero past the edges)
+        instead of pointers."""
         cols = v_start + tl.arange(0, BLOCK_N)
         col_ok = cols < V
         ks = tl.arange(0, BLOCK_K)
         logits = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k_start in range(0, C, BLOCK_K):
-            k = k_start + ks
-            h_ptrs = hidden_ptr + rows[:, None] * stride_hn + k[None, :]
-            w_ptrs = weight_ptr + cols[None, :] * stride_wv + k[:, None]
-            if EVEN_K:
-                h = tl.load(h_ptrs, mask=row_ok[:, None], other=0.0)                              # (M, K)
-                if TAIL:
-                    w = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)                          # (K, N)
-                else:
-                    w = tl.load(w_ptrs)
+            if TMA:
+                h = hidden_src.load([row_start, k_start])                                         # (M, K)
+                w = weight_src.load([v_start, k_start])                                           # (N, K)
+                logits = tl.dot(h, w.T, logits, input_precision=INPUT_PRECISION)
             else:
-                h = tl.load(h_ptrs, mask=row_ok[:, None] & (k[None, :] < C), other=0.0)
-                w = tl.load(w_ptrs, mask=col_ok[None, :] & (k[:, None] < C), other=0.0)
-            logits = tl.dot(h, w, logits, input_precision=INPUT_PRECISION)
+                k = k_start + ks
+                h_ptrs = hidden_src + rows[:, None] * stride_hn + k[None, :]
+                w_ptrs = weight_src + cols[None, :] * stride_wv + k[:, None]
+                if EVEN_K:
+                    h = tl.load(h_ptrs, mask=row_ok[:, None], other=0.0)                          # (M, K)
+                    if TAIL:
+                        w = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)                      # (K, N)
+                    else:
+                        w = tl.load(w_ptrs)
+                else:
+                    h = tl.load(h_ptrs, mask=row_ok[:, None] & (k[None, :] < C), other=0.0)
+                    w = tl.load(w_ptrs, mask=col_ok[None, :] & (k[:, None] < C), other=0.0)
+                logits = tl.dot(h, w, logits, input_precision=INPUT_PRECISION)
         if HAS_BIAS:
             logits += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if TAIL:
             logits = tl.where(col_ok[None, :], logits, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(logits, axis=1))
-        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(
-            tl.exp(logits - new_max[:, None]), axis=1)
         is_target = cols[None, :] == targets[:, None]
         target_logit += tl.sum(tl.where(is_target, logits, 0.0), axis=1)
+        # Base 2: each exponential is one multiply-add and exp2 (-7 % of the loss with TMA, BENCHMARKS session 13).
+        new_max = tl.maximum(running_max, tl.max(logits, axis=1) * LOG2E)
+        running_sum = running_sum * tl.exp2(running_max - new_max) + tl.sum(
+            tl.exp2(logits * LOG2E - new_max[:, None]), axis=1)
         return new_max, running_sum, target_logit
 
     @triton.jit
     def _fused_nll_kernel(
-        hidden_ptr, weight_ptr, bias_ptr, target_ptr, out_ptr,
+        hidden_src, weight_src, bias_ptr, target_ptr, out_ptr,
         N, V, C, full_tiles_end,       # full_tiles_end = V rounded down to whole BLOCK_N tiles
         stride_hn, stride_wv,
         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        INPUT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
     ):
         pid = tl.program_id(0)
-        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_start = pid * BLOCK_M
+        rows = row_start + tl.arange(0, BLOCK_M)
         row_ok = rows < N
         targets = tl.load(target_ptr + rows, mask=row_ok, other=0)
-        running_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        running_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)     # base-2 units
         running_sum = tl.zeros((BLOCK_M,), tl.float32)
         target_logit = tl.zeros((BLOCK_M,), tl.float32)
         for v_start in range(0, full_tiles_end, BLOCK_N):   # whole tiles: no column masks
             running_max, running_sum, target_logit = _fold_tile(
-                hidden_ptr, weight_ptr, bias_ptr, rows, row_ok, targets, v_start, V, C, stride_hn, stride_wv,
-                running_max, running_sum, target_logit, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION,
-                False, EVEN_K)
+                hidden_src, weight_src, bias_ptr, rows, row_ok, targets, row_start, v_start, V, C, stride_hn,
+                stride_wv, running_max, running_sum, target_logit, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K,
+                INPUT_PRECISION, False, EVEN_K, TMA)
         if full_tiles_end < V:
             running_max, running_sum, target_logit = _fold_tile(
-                hidden_ptr, weight_ptr, bias_ptr, rows, row_ok, targets, full_tiles_end, V, C, stride_hn,
+                hidden_src, weight_src, bias_ptr, rows, row_ok, targets, row_start, full_tiles_end, V, C, stride_hn,
                 stride_wv, running_max, running_sum, target_logit, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K,
-                INPUT_PRECISION, True, EVEN_K)
-        nll = running_max + tl.log(running_sum) - target_logit
+                INPUT_PRECISION, True, EVEN_K, TMA)
+        nll = (running_max + tl.log2(running_sum)) * LN2 - target_logit
         tl.store(out_ptr + rows, nll, mask=row_ok)
+
+
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return True    # Triton's interpreter (the CPU tests) emulates descriptors
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _tma_fits(*tensors: torch.Tensor) -> bool:
+    """Bulk copies need 16-byte aligned base addresses and row strides. 16-bit inputs only: with fp32 inputs
+    (exact products, no tf32) the descriptor path ran 20x slower than pointer loads on the H200 (BENCHMARKS
+    session 13)."""
+    return TensorDescriptor is not None and _has_tma(tensors[0].device) and all(
+        t.element_size() == 2 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+        for t in tensors)
 
 
 def fused_token_nll(
@@ -95,11 +128,12 @@ def fused_token_nll(
     targets: torch.Tensor,           # (N,) int64
     bias: Optional[torch.Tensor] = None,
     block_m: int = 128, block_n: Optional[int] = None, block_k: Optional[int] = None, num_warps: int = 8,
-    num_stages: int = 3,
+    num_stages: int = 3, tma: Optional[bool] = None,
 ) -> torch.Tensor:
     """(N,) fp32 NLL of each target, as engine.loss.chunked_token_nll, in one kernel. Tiles of
     128 x 256 x 64 for 16-bit inputs (measured best, docs/BENCHMARKS.md); fp32 inputs take half-size
-    tiles to fit shared memory, and exact fp32 products (no tf32)."""
+    tiles to fit shared memory, and exact fp32 products (no tf32). tma: load through tensor descriptors
+    (default: 16-bit inputs where the GPU and the alignment allow; False forces pointer loads)."""
     assert triton is not None and (hidden.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")  # interpreter: CPU check
     wide = hidden.element_size() == 4
     block_n = block_n or (128 if wide else 256)
@@ -108,13 +142,20 @@ def fused_token_nll(
     weight = weight.contiguous()
     N, C = hidden.shape
     V = weight.shape[0]
+    if tma is None:
+        tma = _tma_fits(hidden, weight)
+    if tma:
+        hidden_src = TensorDescriptor.from_tensor(hidden, [block_m, block_k])
+        weight_src = TensorDescriptor.from_tensor(weight, [block_n, block_k])
+    else:
+        hidden_src, weight_src = hidden, weight
     out = torch.empty(N, dtype=torch.float32, device=hidden.device)
     grid = (triton.cdiv(N, block_m),)
     _fused_nll_kernel[grid](
-        hidden, weight, bias if bias is not None else hidden, targets.contiguous(), out,
+        hidden_src, weight_src, bias if bias is not None else hidden, targets.contiguous(), out,
         N, V, C, V // block_n * block_n, hidden.stride(0), weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        INPUT_PRECISION="ieee" if wide else "tf32", EVEN_K=C % block_k == 0,
+        INPUT_PRECISION="ieee" if wide else "tf32", EVEN_K=C % block_k == 0, TMA=tma,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

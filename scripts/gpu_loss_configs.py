@@ -1,0 +1,67 @@
+"""Tile and pipeline choices for the fused loss's descriptor path (H200; PYTHONPATH=src), against its
+defaults (128 x 256 x 64, 8 warps, 3 stages), interleaved over 3 rounds. Expected before the run: the defaults
+stay best or within noise (the pointer path's sweep in session 1 found them best); 128 x 128 x 64 with 4 warps
+could fit two programs per SM, so that one's exponentials overlap the other's matmul, at twice the
+hidden-state traffic."""
+import json
+import os
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from fastppl.engine.fused_loss import fused_token_nll
+
+
+def timeit(fn, reps=10):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(); fn(); e.record(); torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return sorted(times)[len(times) // 2]
+
+
+CONFIGS = {
+    "defaults (128 x 256 x 64, 8 warps, 3 stages)": {},
+    "4 stages": dict(num_stages=4),
+    "k 128, 2 stages": dict(block_k=128, num_stages=2),
+    "k 32, 4 stages": dict(block_k=32, num_stages=4),
+    "128 x 128 x 64, 4 warps, 3 stages": dict(block_n=128, num_warps=4),
+    "128 x 128 x 64, 8 warps, 4 stages": dict(block_n=128, num_stages=4),
+    "64 x 256 x 64, 4 warps, 3 stages": dict(block_m=64, num_warps=4),
+}
+rows = []
+dev = torch.device("cuda")
+torch.manual_seed(0)
+for shape, (N, C, V) in {"gpt2 64x1024": (65536, 768, 50257), "llama-1b 8x2048": (16384, 2048, 128256)}.items():
+    h = torch.randn(N, C, device=dev, dtype=torch.bfloat16)
+    w = (torch.randn(V, C, device=dev) * 0.05).to(torch.bfloat16)
+    t = torch.randint(0, V, (N,), device=dev)
+    check = torch.cat([torch.arange(0, 512), torch.arange(N - 512, N)]).to(dev)
+    ref = F.cross_entropy(F.linear(h[check].double(), w.double()), t[check], reduction="none")
+    times, errs = {}, {}
+    for name, options in CONFIGS.items():
+        try:
+            out = fused_token_nll(h, w, t, **options)
+            errs[name] = ((out[check].double() - ref).norm() / ref.norm()).item()
+            times[name] = []
+        except Exception as ex:   # a configuration that does not fit or compile
+            errs[name] = repr(ex)[-120:]
+    for _ in range(3):
+        for name, options in CONFIGS.items():
+            if name in times:
+                times[name].append(timeit(lambda o=options: fused_token_nll(h, w, t, **o)))
+    for name in CONFIGS:
+        ms = statistics.median(times[name]) if name in times else float("nan")
+        rows.append(dict(shape=shape, config=name, ms=ms, tflops=2 * N * C * V / ms / 1e9, rel_err=errs[name]))
+    del h, w, t
+if os.environ.get("OUT"):
+    json.dump(rows, open(os.path.join(os.environ["OUT"], "loss_configs.json"), "w"), indent=1)
+print("| shape | configuration | ms (median of 3 rounds) | TFLOP/s | rel err vs fp64 |")
+print("| --- | --- | --- | --- | --- |")
+for r in rows:
+    err = f"{r['rel_err']:.1e}" if isinstance(r["rel_err"], float) else r["rel_err"]
+    print(f"| {r['shape']} | {r['config']} | {r['ms']:.2f} | {r['tflops']:.0f} | {err} |")
