@@ -82,7 +82,20 @@ def test_bench_cpu_path(tmp_path, capsys):
     nlls = [r["nll"] for r in report["rows"]]
     assert max(nlls) - min(nlls) < 0.05      # same weights, same tokens: the peers agree
     assert all(r["tokens_per_second"] > 0 for r in report["rows"])
+    assert report["rows"][-1]["compile"] == "off (auto: CPU)"
     assert "fastppl" in capsys.readouterr().out
+
+
+def test_bench_compile_on_compiles_fastppls_row_and_agrees_with_eager(tmp_path):
+    reports = {}
+    for setting in ("off", "on"):
+        out = tmp_path / f"bench-{setting}.json"
+        assert main(["bench", "--model", "random:gpt2-tiny", "--tokens", "256", "--seq", "32", "--batch-size", "4",
+                     "--device", "cpu", "--peers", "fastppl", "--compile", setting, "--json", str(out), "--quiet"]) == 0
+        reports[setting] = json.loads(out.read_text())["rows"][0]
+    assert reports["on"]["compile"] == "on (--compile on)" and "compiled" in reports["on"]["note"]
+    assert reports["off"]["compile"] == "off (--compile off)" and "eager" in reports["off"]["note"]
+    assert reports["on"]["nll"] == pytest.approx(reports["off"]["nll"], rel=1e-5)
 
 
 def test_out_of_memory_after_the_forward_adds_nothing(monkeypatch):

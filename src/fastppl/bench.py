@@ -40,6 +40,7 @@ class BenchRow:
     nll: float
     peak_bytes: Optional[int]
     note: str = ""
+    compile: Optional[str] = None   # fastppl's row: compiled or not, and why (accel.compile.use_compile)
 
     @property
     def tokens_per_second(self) -> float:
@@ -176,9 +177,11 @@ def _time_fastppl(model, rows: np.ndarray, batch_size: int, device, loss: str, c
 def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_len: Optional[int] = None,
               batch_size: Optional[int] = None, device_name: str = "auto", peers: Optional[list[str]] = None,
               loss: str = "auto", naive_tokens: Optional[int] = None, log: Callable[[str], None] = print,
-              variants: bool = False) -> dict:
+              variants: bool = False, compile: str = "auto") -> dict:
     """variants: also time fastppl with the other loss and compile choices (for docs/BENCHMARKS.md).
+    compile: fastppl's row compiles its scorer or not (auto: as `fastppl eval` would for this many tokens).
     seq_len, batch_size and peers default by architecture (DEFAULTS)."""
+    from .accel.compile import model_family, use_compile
     from .engine.loss import fused_loss_available
     from .models.llama import Llama
     from .models.loading import RANDOM_PREFIX, random_native
@@ -240,18 +243,20 @@ def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_le
     if "fastppl" in peers:
         model = native.to(device=device, dtype=torch.bfloat16 if on_cuda else torch.float32)
         _reset_peak(device)
-        # what `fastppl eval` runs for runs of this size: eager (compile pays only from 250 M tokens),
-        # with the fused loss and, on CUDA, the fused MLP epilogue
-        s, nll, tok, compile_s = _time_fastppl(model, rows, batch_size, device, loss, False)
+        # by default what `fastppl eval` runs for a run of this size (accel.compile.use_compile): for GPT-2
+        # eager with the fused loss and, on CUDA, the fused MLP epilogue and norms
+        compile_on, compile_reason = use_compile(compile, device, n_rows * seq_len, loss, model_family(model))
+        s, nll, tok, compile_s = _time_fastppl(model, rows, batch_size, device, loss, compile_on)
+        how = "compiled" if compile_on else f"eager{', MLP epilogue, fused norms' if on_cuda else ''}"
         record(BenchRow("fastppl", tok, s, nll, _peak(device),
-                        f"{loss} loss, eager{', MLP epilogue, fused norms' if on_cuda else ''}, batch {batch_size}, "
-                        f"warm-up {compile_s:.1f} s"))
+                        f"{loss} loss, {how}, batch {batch_size}, {'compile + ' if compile_on else ''}"
+                        f"warm-up {compile_s:.1f} s", compile_reason))
         if variants:
             # each variant gets a fresh copy of the weights: a compiled function is cached per model,
             # and a variant must not silently reuse another's compiled graph
             options = [(l, c) for l in ("chunked", "fused") for c in ((True, False) if on_cuda else (False,))]
             for variant_loss, variant_compile in options:
-                if (variant_loss, variant_compile) == (loss, False):
+                if (variant_loss, variant_compile) == (loss, compile_on):
                     continue
                 if variant_loss == "fused" and not fused_loss_available(device):
                     continue
@@ -271,6 +276,7 @@ def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_le
             "name": r.name, "tokens": r.tokens, "seconds": r.seconds, "tokens_per_second": r.tokens_per_second,
             "share_of_ceiling": r.tokens_per_second * flops / ceiling, "nll": r.nll, "peak_memory_bytes": r.peak_bytes,
             "fastppl_speedup": (fast.tokens_per_second / r.tokens_per_second) if fast else None, "note": r.note,
+            **({"compile": r.compile} if r.compile is not None else {}),
         })
     return {
         "model": model_spec, "seq_len": seq_len, "batch_size": batch_size, "device": str(device),

@@ -158,7 +158,7 @@ def run_bench(args: argparse.Namespace) -> int:
     log = (lambda line: None) if args.quiet else (lambda line: print(line, file=_sys.stderr, flush=True))
     peers = args.peers.split(",") if args.peers else None
     report = bench(args.model, args.tokens, args.seq, args.batch_size, args.device, peers, args.loss,
-                   args.naive_tokens, log, args.variants)
+                   args.naive_tokens, log, args.variants, args.compile)
     if args.json:
         write_json(args.json, report)
     print(format_table(report))
@@ -292,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "through packed, bucketed, padded and an lm-eval-style baseline")
     bench_parser.add_argument("--documents", type=int, default=10_000, help="--corpus docs: documents")
     bench_parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
-                              help="--corpus docs: compile fastppl's scorer (auto: as eval would for the corpus)")
+                              help="compile fastppl's scorer (auto: as eval would for this many tokens)")
     bench_parser.add_argument("--quiet", action="store_true")
     bench_parser.set_defaults(run=run_bench)
 
