@@ -1,5 +1,6 @@
 """The fused loss as committed before session 13 (pointer loads, natural-log exponentials; a copy saved as
-.devcache/old_fused_loss.py, passed as OLD_FUSED_LOSS) against the new one (tensor-descriptor loads where
+.devcache/old_fused_loss.py by
+`git show 15decd7:src/fastppl/engine/fused_loss.py > .devcache/old_fused_loss.py`, passed as OLD_FUSED_LOSS) against the new one (tensor-descriptor loads where
 they fit, base-2 exponentials of one multiply-add), interleaved over 5 rounds at the scorer's shapes (H200).
 Expected before the run, from gpu_loss_tma.py's variants: GPT-2 9.5 -> ~8.9 ms, Llama-1B 15.6 -> ~14.4 ms."""
 import importlib.util
@@ -30,7 +31,7 @@ def timeit(fn, reps=10):
 
 KERNELS = {"before (pointer loads, exp)": old.fused_token_nll,
            "new, pointer loads": lambda *a: fused_token_nll(*a, tma=False),
-           "new (descriptors)": fused_token_nll}
+           "new (descriptors)": lambda *a: fused_token_nll(*a, tma=True)}   # forced: fp32 defaults to pointers now
 rows = []
 dev = torch.device("cuda")
 torch.manual_seed(0)

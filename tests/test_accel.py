@@ -86,7 +86,10 @@ def test_bench_cpu_path(tmp_path, capsys):
     assert "fastppl" in capsys.readouterr().out
 
 
-def test_bench_compile_on_compiles_fastppls_row_and_agrees_with_eager(tmp_path):
+def test_bench_compile_on_compiles_fastppls_row_and_agrees_with_eager(tmp_path, monkeypatch):
+    import fastppl.accel.compile as compile_module
+    compiled, real = [], compile_module.compile_score_fn
+    monkeypatch.setattr(compile_module, "compile_score_fn", lambda fn: compiled.append(fn) or real(fn))
     reports = {}
     for setting in ("off", "on"):
         out = tmp_path / f"bench-{setting}.json"
@@ -95,6 +98,7 @@ def test_bench_compile_on_compiles_fastppls_row_and_agrees_with_eager(tmp_path):
         reports[setting] = json.loads(out.read_text())["rows"][0]
     assert reports["on"]["compile"] == "on (--compile on)" and "compiled" in reports["on"]["note"]
     assert reports["off"]["compile"] == "off (--compile off)" and "eager" in reports["off"]["note"]
+    assert len(compiled) == 1                    # the "on" run compiled, the "off" run did not
     assert reports["on"]["nll"] == pytest.approx(reports["off"]["nll"], rel=1e-5)
 
 

@@ -1,7 +1,9 @@
 """The fused linear + cross-entropy kernel (engine/fused_loss.py) against a float64 reference, on the CPU in
 Triton's interpreter (conftest.py sets TRITON_INTERPRET=1), through both of its load paths: tensor descriptors
-(TMA on Hopper) and pointer loads. Tolerances: fp32 inputs <= 1e-5 relative, fp16 <= 2e-3 (the reference sees the
-same bf16-rounded inputs, so this is the kernel's arithmetic alone); tests/test_gpu.py repeats this on the GPU."""
+(TMA on Hopper) and pointer loads; on a GPU machine the same tests run on the GPU (`pytest -m gpu`). Tolerance:
+every row's NLL within 2e-5 nats of the reference, in fp32 and fp16 alike: the reference sees the same rounded
+inputs, so this is the kernel's fp32 arithmetic alone (measured ~1e-7 relative). A norm-relative bound of 2e-3 let
+a kernel without its vocabulary-tail mask pass."""
 import os
 
 import pytest
@@ -12,6 +14,8 @@ fused_loss = pytest.importorskip("fastppl.engine.fused_loss")
 if fused_loss.triton is None or (not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"):
     pytest.skip("needs triton, and a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.gpu] if torch.cuda.is_available() else []
+MAX_ABS_ERROR = 2e-5
 
 
 def _reference(h, w, t, b):
@@ -20,9 +24,9 @@ def _reference(h, w, t, b):
 
 @pytest.mark.parametrize("tma", [True, False])
 # 16-bit as fp16: the interpreter has no bf16 arithmetic (numpy), and the kernel's 16-bit path is one path
-@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n,c,v,bias", [(130, 64, 300, False), (70, 40, 257, True), (5, 72, 512, False)])
-def test_fused_loss_matches_float64_reference(tma, dtype, tolerance, n, c, v, bias):
+def test_fused_loss_matches_float64_reference(tma, dtype, n, c, v, bias):
     g = torch.Generator().manual_seed(n * v + c)
     h = torch.randn(n, c, generator=g).to(dtype).to(DEVICE)
     w = (0.3 * torch.randn(v, c, generator=g)).to(dtype).to(DEVICE)
@@ -31,7 +35,7 @@ def test_fused_loss_matches_float64_reference(tma, dtype, tolerance, n, c, v, bi
     out = fused_loss.fused_token_nll(h, w, t, b, block_m=32, block_n=64, block_k=32, tma=tma)
     ref = _reference(h, w, t, b)
     assert out.dtype == torch.float32 and out.shape == (n,)
-    assert ((out.double() - ref).norm() / ref.norm()).item() <= tolerance
+    assert (out.double() - ref).abs().max().item() <= MAX_ABS_ERROR
 
 
 def test_descriptors_only_where_they_pay_and_the_alignment_allows():
@@ -45,5 +49,21 @@ def test_descriptors_only_where_they_pay_and_the_alignment_allows():
         fused_loss.TensorDescriptor is not None and fused_loss._has_tma(torch.device(DEVICE)))
     t = torch.randint(0, 100, (40,), device=DEVICE)
     out = fused_loss.fused_token_nll(h, w, t, block_m=32, block_n=64, block_k=32)
-    ref = _reference(h, w, t, None)
-    assert ((out.double() - ref).norm() / ref.norm()).item() <= 2e-3
+    assert (out.double() - _reference(h, w, t, None)).abs().max().item() <= MAX_ABS_ERROR
+
+
+def test_no_rows_launches_nothing():
+    w = torch.randn(100, 16, device=DEVICE).half()
+    out = fused_loss.fused_token_nll(torch.empty(0, 16, device=DEVICE).half(), w, torch.empty(0, dtype=torch.long, device=DEVICE))
+    assert out.shape == (0,) and out.dtype == torch.float32
+
+
+def test_compiled_op_with_a_bias_equals_the_eager_kernel():
+    """Under torch.compile the kernel is one opaque custom op, with or without a bias (a bias used to bypass
+    the op and let Dynamo trace the launch and its host-side descriptors)."""
+    fused_loss.register_compiled_op()
+    g = torch.Generator().manual_seed(3)
+    h, w = torch.randn(40, 16, generator=g).to(DEVICE), torch.randn(100, 16, generator=g).to(DEVICE)
+    b, t = torch.randn(100, generator=g).to(DEVICE), torch.randint(0, 100, (40,), generator=g).to(DEVICE)
+    compiled = torch.compile(fused_loss.fused_token_nll_op, fullgraph=True)
+    assert torch.equal(compiled(h, w, t, b), fused_loss.fused_token_nll(h, w, t, b))

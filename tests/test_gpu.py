@@ -1,6 +1,6 @@
 """GPU checks (pytest -m gpu on the H200); skipped where there is no CUDA device.
-Tolerances: fused loss vs float64 reference on the same inputs <= 1e-5 relative for fp32 inputs and
-<= 2e-3 for bf16 (the reference sees the same bf16-rounded inputs, so this is arithmetic error only);
+Tolerances: fused loss vs float64 reference on the same inputs: every row within 1e-4 nats, in fp32, bf16 and fp16
+(the reference sees the same rounded inputs, so this is arithmetic error only; measured ~1e-7 relative);
 bf16 scoring vs fp32 scoring of the same model: mean NLL within 0.5 %."""
 import numpy as np
 import pytest
@@ -14,10 +14,10 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-3), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,c,v,bias", [(1000, 768, 50257, False), (333, 64, 1000, True), (4097, 128, 50304, False),
                                         (130, 40, 257, True)])
-def test_fused_loss_matches_float64_reference(dtype, tolerance, n, c, v, bias):
+def test_fused_loss_matches_float64_reference(dtype, n, c, v, bias):
     from fastppl.engine.fused_loss import fused_token_nll
     g = torch.Generator(device="cuda").manual_seed(n + v)
     h = torch.randn(n, c, device="cuda", generator=g).to(dtype)
@@ -27,7 +27,7 @@ def test_fused_loss_matches_float64_reference(dtype, tolerance, n, c, v, bias):
     ref = F.cross_entropy(F.linear(h.double(), w.double(), None if b is None else b.double()), t, reduction="none")
     out = fused_token_nll(h, w, t, b)
     assert not torch.isnan(out).any()
-    assert _rel(out, ref) <= tolerance
+    assert (out.double() - ref).abs().max().item() <= 1e-4
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 1e-3)])

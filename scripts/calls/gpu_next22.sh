@@ -1,6 +1,7 @@
 #!/bin/bash
 # Session 13, call 3: the new fused loss (descriptor loads, base-2 exponentials) against the one before it, as
 # kernels and in `fastppl bench` (the old kernel swapped in by OLD_LOSS_BENCH), and its GPU tests.
+# Before the call, here: git show 15decd7:src/fastppl/engine/fused_loss.py > .devcache/old_fused_loss.py
 export PYTHONPATH=src OLD_FUSED_LOSS=$PWD/.devcache/old_fused_loss.py
 timeout 150 python3 scripts/gpu_loss_compare.py > $OUT/loss_compare.log 2>&1; echo "loss_compare rc $?"
 BENCH="bench --model random:gpt2 --peers hf-compiled,fastppl --tokens 2097152 --quiet"

@@ -1,6 +1,7 @@
 #!/bin/bash
 # Session 13, call 4: the descriptor path's tile choices; the Llama-1B shape against compiled transformers; all
-# GPU tests and two eval runs on the new fused loss (descriptors for 16-bit inputs only).
+# GPU tests and two eval runs on the new fused loss (descriptors for 16-bit inputs only). At b524d36, which this
+# call ran, the dense bench ignored --compile (fastppl's row ran eager); since 4f89a71 the row compiles.
 . scripts/calls/eval_wall.sh   # PYTHONPATH, FASTPPL_SHARED_DATA, D, EVAL, now, run_eval
 timeout 120 python3 scripts/gpu_loss_configs.py > $OUT/loss_configs.log 2>&1; echo "loss_configs rc $?"
 timeout 200 python3 -m fastppl bench --model random:llama-1b --peers hf-compiled,fastppl --tokens 262144 --compile on \

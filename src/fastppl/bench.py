@@ -252,8 +252,8 @@ def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_le
                         f"{loss} loss, {how}, batch {batch_size}, {'compile + ' if compile_on else ''}"
                         f"warm-up {compile_s:.1f} s", compile_reason))
         if variants:
-            # each variant gets a fresh copy of the weights: a compiled function is cached per model,
-            # and a variant must not silently reuse another's compiled graph
+            # the same weights for every variant: _time_fastppl undoes the fusions, and the Dynamo reset
+            # keeps a variant from silently reusing another's compiled graph
             options = [(l, c) for l in ("chunked", "fused") for c in ((True, False) if on_cuda else (False,))]
             for variant_loss, variant_compile in options:
                 if (variant_loss, variant_compile) == (loss, compile_on):

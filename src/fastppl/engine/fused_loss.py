@@ -110,7 +110,8 @@ if triton is not None:
 def _has_tma(device: torch.device) -> bool:
     if device.type != "cuda":
         return True    # Triton's interpreter (the CPU tests) emulates descriptors
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    # NVIDIA compute capability 9+ (Hopper, Blackwell); ROCm reports 9.x too, where this was never measured
+    return torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _tma_fits(*tensors: torch.Tensor) -> bool:
@@ -142,6 +143,8 @@ def fused_token_nll(
     weight = weight.contiguous()
     N, C = hidden.shape
     V = weight.shape[0]
+    if N == 0:   # a descriptor needs a non-empty tensor; nothing to launch anyway
+        return torch.empty(0, dtype=torch.float32, device=hidden.device)
     if tma is None:
         tma = _tma_fits(hidden, weight)
     if tma:
@@ -173,18 +176,19 @@ def register_compiled_op() -> None:
         return
 
     @torch.library.custom_op("fastppl::fused_token_nll", mutates_args=())
-    def op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return fused_token_nll(hidden, weight, targets)
+    def op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+           bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return fused_token_nll(hidden, weight, targets, bias)
 
     @op.register_fake
-    def _(hidden, weight, targets):
+    def _(hidden, weight, targets, bias):
         return hidden.new_empty(hidden.shape[0], dtype=torch.float32)
 
     _compiled_op = op
 
 
 def fused_token_nll_op(hidden, weight, targets, bias=None):
-    if bias is None and torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         assert _compiled_op is not None, "accel.compile.compile_score_fn registers the op before compiling"
-        return _compiled_op(hidden, weight, targets)
+        return _compiled_op(hidden, weight, targets, bias)
     return fused_token_nll(hidden, weight, targets, bias)
