@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from fastppl.engine.fused_loss import fused_token_nll
 from fastppl.engine.loss import chunked_token_nll
+from gpu_common import median_cuda_ms
 
 torch.manual_seed(0)
 dev = torch.device("cuda")
@@ -46,16 +47,6 @@ h = torch.randn(N, C, device=dev, dtype=torch.bfloat16)
 w = torch.randn(V, C, device=dev, dtype=torch.bfloat16) * 0.05
 t = torch.randint(0, V, (N,), device=dev)
 
-def timeit(fn, reps=10):
-    fn(); torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s = torch.cuda.Event(enable_timing=True); e = torch.cuda.Event(enable_timing=True)
-        s.record(); fn(); e.record(); torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    times.sort()
-    return times[len(times) // 2]
-
 flops = 2 * N * C * V
 chunked_compiled = torch.compile(lambda h, w, t: chunked_token_nll(h, w, t, None, 8192))
 for name, fn in [("chunked eager", lambda: chunked_token_nll(h, w, t, None, 8192)),
@@ -68,7 +59,7 @@ for name, fn in [("chunked eager", lambda: chunked_token_nll(h, w, t, None, 8192
                  ("fused 128x256x32 w8 s4", lambda: fused_token_nll(h, w, t, block_k=32, num_stages=4)),
                  ("fused 64x256x64 w4 s3", lambda: fused_token_nll(h, w, t, block_m=64, num_warps=4))]:
     try:
-        ms = timeit(fn)
+        ms = median_cuda_ms(fn)
         rows.append((name, f"{ms:.2f} ms  {flops / ms / 1e9:.0f} TFLOP/s"))
     except Exception as ex:  # a config that does not fit shared memory
         rows.append((name, f"failed: {str(ex).splitlines()[0][:60]}"))

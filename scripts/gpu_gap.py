@@ -16,11 +16,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fastppl.accel.fused_mlp import fuse_mlp_epilogue
-from fastppl.accel.fused_norm import fuse_residual_norms
 from fastppl.engine.fused_loss import fused_token_nll
-from fastppl.engine.score import make_score_fn
-from fastppl.models.loading import random_gpt2
+from gpu_common import dense_gpt2_scorer
 
 FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
 smi_path = os.path.join(os.environ.get("OUT", "/tmp"), "smi.csv")
@@ -29,7 +26,7 @@ smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={FIELDS}", "--format=csv,noh
 phases = []   # (name, start, end, ms per unit)
 
 
-def phase(name, fn, seconds=None, units=1):
+def phase(name, fn):
     torch.cuda.synchronize()
     start = datetime.datetime.now()
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -42,13 +39,7 @@ def phase(name, fn, seconds=None, units=1):
 
 dev = torch.device("cuda")
 B, T = 64, 1024
-ids = torch.randint(0, 50257, (B, T + 1), device=dev)
-inputs, targets = ids[:, :T].contiguous(), ids[:, 1:].contiguous()
-mask = torch.ones(B, T, dtype=torch.bool, device=dev)
-model = random_gpt2("gpt2", 0, dev).to(torch.bfloat16).eval()
-fuse_mlp_epilogue(model)
-fuse_residual_norms(model)
-score = make_score_fn(model, loss="fused")
+model, score, (inputs, targets, mask) = dense_gpt2_scorer(B, T)
 h = torch.randn(B * T, 768, device=dev, dtype=torch.bfloat16)
 a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
 

@@ -12,20 +12,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fastppl.accel.fused_mlp import fuse_mlp_epilogue
-from fastppl.accel.fused_norm import fuse_residual_norms
-from fastppl.engine.score import make_score_fn
-from fastppl.models.loading import random_gpt2
+from gpu_common import dense_gpt2_scorer
 
-dev = torch.device("cuda")
-B, T = 64, 1024
-ids = torch.randint(0, 50257, (B, T + 1), device=dev)
-inputs, targets = ids[:, :T].contiguous(), ids[:, 1:].contiguous()
-mask = torch.ones(B, T, dtype=torch.bool, device=dev)
-model = random_gpt2("gpt2", 0, dev).to(torch.bfloat16).eval()
-fuse_mlp_epilogue(model)
-fuse_residual_norms(model)
-score = make_score_fn(model, loss="fused")
+_, score, (inputs, targets, mask) = dense_gpt2_scorer(64, 1024)
 N_PROFILED = 5
 with torch.inference_mode():
     for _ in range(30):

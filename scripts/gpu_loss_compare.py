@@ -12,21 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from fastppl.engine.fused_loss import fused_token_nll
+from gpu_common import median_cuda_ms
 
 spec = importlib.util.spec_from_file_location("old_fused_loss", os.environ["OLD_FUSED_LOSS"])
 old = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(old)
-
-
-def timeit(fn, reps=10):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record(); fn(); e.record(); torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return sorted(times)[len(times) // 2]
 
 
 KERNELS = {"before (pointer loads, exp)": old.fused_token_nll,
@@ -47,7 +37,7 @@ for shape, (N, C, V, dtype) in {"gpt2 64x1024 bf16": (65536, 768, 50257, torch.b
     errs = {name: ((k(h, w, t)[check].double() - ref).norm() / ref.norm()).item() for name, k in KERNELS.items()}
     for _ in range(5):
         for name, k in KERNELS.items():
-            times[name].append(timeit(lambda k=k: k(h, w, t)))
+            times[name].append(median_cuda_ms(lambda k=k: k(h, w, t)))
     for name in KERNELS:
         ms = statistics.median(times[name])
         rows.append(dict(shape=shape, kernel=name, ms=ms, tflops=2 * N * C * V / ms / 1e9, rel_err=errs[name],

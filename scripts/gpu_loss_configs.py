@@ -11,17 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fastppl.engine.fused_loss import fused_token_nll
-
-
-def timeit(fn, reps=10):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record(); fn(); e.record(); torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return sorted(times)[len(times) // 2]
+from gpu_common import median_cuda_ms
 
 
 CONFIGS = {
@@ -53,7 +43,7 @@ for shape, (N, C, V) in {"gpt2 64x1024": (65536, 768, 50257), "llama-1b 8x2048":
     for _ in range(3):
         for name, options in CONFIGS.items():
             if name in times:
-                times[name].append(timeit(lambda o=options: fused_token_nll(h, w, t, **o)))
+                times[name].append(median_cuda_ms(lambda o=options: fused_token_nll(h, w, t, **o)))
     for name in CONFIGS:
         ms = statistics.median(times[name]) if name in times else float("nan")
         rows.append(dict(shape=shape, config=name, ms=ms, tflops=2 * N * C * V / ms / 1e9, rel_err=errs[name]))

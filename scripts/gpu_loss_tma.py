@@ -19,6 +19,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fastppl.engine.fused_loss import fused_token_nll
+from gpu_common import median_cuda_ms
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -150,17 +151,6 @@ def variant(h, w, t, block_m=128, block_n=256, block_k=64, warps=8, stages=3, tm
     return out
 
 
-def timeit(fn, reps=10):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record(); fn(); e.record(); torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return sorted(times)[len(times) // 2]
-
-
 VARIANTS = [
     ("shipped kernel", "shipped", {}),
     ("copy, as shipped", "variant", {}),
@@ -198,7 +188,7 @@ for shape_name, (N, C, V) in SHAPES.items():
             out = fn()
             exact = kind == "shipped" or options.get("exp") != 9
             err = ((out[check].double() - ref).norm() / ref.norm()).item() if exact else 0.0
-            ms = timeit(fn) if err < 1e-5 else float("nan")
+            ms = median_cuda_ms(fn) if err < 1e-5 else float("nan")
             row = dict(shape=shape_name, variant=name, ms=ms, tflops=flops / ms / 1e9, rel_err=err)
         except Exception as ex:   # a variant this Triton cannot compile
             row = dict(shape=shape_name, variant=name, ms=float("nan"), tflops=float("nan"), rel_err=float("nan"),
