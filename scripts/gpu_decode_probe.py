@@ -1,7 +1,6 @@
 """Why is the compiled decode step launch-bound? Counts kernels per step and time per step (H200).
 PROBE_BATCH (1) sets the batch (the same 32-token prompt in every row); FASTPPL_DECODE the decode options."""
 import os
-import time
 
 import torch
 

@@ -64,7 +64,7 @@ def time_variant(name, batch, decode, reference=None, count_kernels=False):
     generator = torch.Generator().manual_seed(batch)
     prompts = torch.randint(0, 50257, (batch, 32), generator=generator).tolist()
     t0 = time.perf_counter()
-    first = generate(model, prompts, NEW, Sampling(), decode=decode)
+    generate(model, prompts, NEW, Sampling(), decode=decode)   # warm-up: compiles and captures
     warm = time.perf_counter() - t0
     runs = [generate(model, prompts, NEW, Sampling(), decode=decode) for _ in range(3)]
     rates = sorted(r.decode_tokens_per_second for r in runs)

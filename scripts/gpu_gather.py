@@ -2,7 +2,6 @@
 the loss on every position, same run, same GPU: GPT-2 124M random weights, bf16, TinyShakespeare (all).
 Prints one line per variant: best scoring tok/s of 3 runs, nll_sum (must be equal bit for bit, on vs off)."""
 import os
-import sys
 from pathlib import Path
 
 import fastppl.engine.score as score_module

@@ -1,33 +1,14 @@
 """GPU checks (pytest -m gpu on the H200); skipped where there is no CUDA device.
-Tolerances: fused loss vs float64 reference on the same inputs: every row within 1e-4 nats, in fp32, bf16 and fp16
-(the reference sees the same rounded inputs, so this is arithmetic error only; measured ~1e-7 relative);
+Tolerances (the fused loss kernel's own tests, at real shapes too, are in test_fused_loss.py):
 bf16 scoring vs fp32 scoring of the same model: mean NLL within 0.5 %."""
-import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 
 
 def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n,c,v,bias", [(1000, 768, 50257, False), (333, 64, 1000, True), (4097, 128, 50304, False),
-                                        (130, 40, 257, True)])
-def test_fused_loss_matches_float64_reference(dtype, n, c, v, bias):
-    from fastppl.engine.fused_loss import fused_token_nll
-    g = torch.Generator(device="cuda").manual_seed(n + v)
-    h = torch.randn(n, c, device="cuda", generator=g).to(dtype)
-    w = (0.05 * torch.randn(v, c, device="cuda", generator=g)).to(dtype)
-    b = torch.randn(v, device="cuda", generator=g).to(dtype) if bias else None
-    t = torch.randint(0, v, (n,), device="cuda", generator=g)
-    ref = F.cross_entropy(F.linear(h.double(), w.double(), None if b is None else b.double()), t, reduction="none")
-    out = fused_token_nll(h, w, t, b)
-    assert not torch.isnan(out).any()
-    assert (out.double() - ref).abs().max().item() <= 1e-4
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 1e-3)])

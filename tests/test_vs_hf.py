@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer, GPT2Config as HFGPT2Config, GPT2LMHeadModel
 
 from fastppl.config import EvalConfig
-from fastppl.data.windows import chunked_windows, sliding_windows
 from fastppl.engine.score import make_score_fn
 from fastppl.models import load_model
 from fastppl.models.gpt2 import GPT2, GPT2Config

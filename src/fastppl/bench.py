@@ -17,15 +17,12 @@ SwiGLU: 3 * d * intermediate); the last term is causal QK^T and AV, (T + 1) / 2 
 from __future__ import annotations
 
 import gc
-import json
-import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from .data.batching import Batch
 from .engine.precision import resolve_device
@@ -234,9 +231,8 @@ def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_le
         if "hf-compiled" in peers:
             _reset_peak(device)
             compiled = torch.compile(hf16)
-            t = time.perf_counter()
             s, nll, tok = _time_labels_peer(compiled, rows, batch_size, device, autocast=False, item_per_step=False)
-            record(BenchRow("hf-compiled", tok, s, nll, _peak(device), f"the same, torch.compile"))
+            record(BenchRow("hf-compiled", tok, s, nll, _peak(device), "the same, torch.compile"))
             del compiled
             torch._dynamo.reset()   # its compiled graphs could keep hf16's weights alive into fastppl's peak
         del hf16

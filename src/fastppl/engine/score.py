@@ -15,7 +15,7 @@ import torch.nn as nn
 from ..data.batching import Batch
 from ..errors import is_out_of_memory
 from ..models.attention import DocumentIds, DocumentSpans
-from .loss import chunked_token_nll, token_nll_fn
+from .loss import token_nll_fn
 
 # (input_ids, targets, score_mask[, position_ids, document_ids][, scored_rows=]) -> (B, T) NLL
 ScoreFn = Callable[..., torch.Tensor]
