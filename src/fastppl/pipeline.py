@@ -204,7 +204,7 @@ def evaluate(config: EvalConfig) -> dict:
     if device.type == "cuda" and not compiled:
         from .accel.fused_norm import fuse_residual_norms
         if fuse_residual_norms(model):
-            residual_norms = "residual adds fused with the next LayerNorm (Triton)"
+            residual_norms = "residual adds inside the projections (cuBLAS), bias sums in the LayerNorms (Triton)"
     score_fn = make_score_fn(model, config.loss_chunk_rows, loss)
     if compiled:
         score_fn = compile_score_fn(score_fn)

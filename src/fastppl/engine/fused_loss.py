@@ -32,38 +32,35 @@ if triton is not None:
     LN2 = tl.constexpr(0.6931471805599453)
 
     @triton.jit
-    def _fold_tile(hidden_src, weight_src, bias_ptr, rows, row_ok, targets, row_start, v_start, V, C, stride_hn,
-                   stride_wv, running_max, running_sum, target_logit,
-                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   INPUT_PRECISION: tl.constexpr, TAIL: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr):
-        """Fold the logits of vocabulary tile [v_start, v_start + BLOCK_N) into the running logsumexp and
-        target logit. TAIL: the tile runs past V, so its columns are masked; whole tiles need no masks
-        (peeling the tail off moved the loss from 11.1 to 9.6 ms at GPT-2's shape, docs/BENCHMARKS.md).
-        TMA: hidden_src and weight_src are tensor descriptors (Hopper's bulk copies, zero past the edges)
-        instead of pointers."""
-        cols = v_start + tl.arange(0, BLOCK_N)
-        col_ok = cols < V
-        ks = tl.arange(0, BLOCK_K)
-        logits = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k_start in range(0, C, BLOCK_K):
-            if TMA:
-                h = hidden_src.load([row_start, k_start])                                         # (M, K)
-                w = weight_src.load([v_start, k_start])                                           # (N, K)
-                logits = tl.dot(h, w.T, logits, input_precision=INPUT_PRECISION)
-            else:
-                k = k_start + ks
-                h_ptrs = hidden_src + rows[:, None] * stride_hn + k[None, :]
-                w_ptrs = weight_src + cols[None, :] * stride_wv + k[:, None]
-                if EVEN_K:
-                    h = tl.load(h_ptrs, mask=row_ok[:, None], other=0.0)                          # (M, K)
-                    if TAIL:
-                        w = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)                      # (K, N)
-                    else:
-                        w = tl.load(w_ptrs)
+    def _k_step(hidden_src, weight_src, rows, row_ok, cols, col_ok, row_start, v_start, k_start, C, stride_hn,
+                stride_wv, logits, BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, TAIL: tl.constexpr,
+                EVEN_K: tl.constexpr, TMA: tl.constexpr):
+        """logits + h[rows, k_start : k_start + BLOCK_K] . W[cols, same k]^T. TAIL: the tile runs past V, so its
+        columns are masked; whole tiles need no masks (peeling the tail off moved the loss from 11.1 to 9.6 ms at
+        GPT-2's shape, docs/BENCHMARKS.md). TMA: hidden_src and weight_src are tensor descriptors (Hopper's bulk
+        copies, zero past the edges) instead of pointers."""
+        if TMA:
+            h = hidden_src.load([row_start, k_start])                                             # (M, K)
+            w = weight_src.load([v_start, k_start]).T                                             # (K, N)
+        else:
+            k = k_start + tl.arange(0, BLOCK_K)
+            h_ptrs = hidden_src + rows[:, None] * stride_hn + k[None, :]
+            w_ptrs = weight_src + cols[None, :] * stride_wv + k[:, None]
+            if EVEN_K:
+                h = tl.load(h_ptrs, mask=row_ok[:, None], other=0.0)                              # (M, K)
+                if TAIL:
+                    w = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)                          # (K, N)
                 else:
-                    h = tl.load(h_ptrs, mask=row_ok[:, None] & (k[None, :] < C), other=0.0)
-                    w = tl.load(w_ptrs, mask=col_ok[None, :] & (k[:, None] < C), other=0.0)
-                logits = tl.dot(h, w, logits, input_precision=INPUT_PRECISION)
+                    w = tl.load(w_ptrs)
+            else:
+                h = tl.load(h_ptrs, mask=row_ok[:, None] & (k[None, :] < C), other=0.0)
+                w = tl.load(w_ptrs, mask=col_ok[None, :] & (k[:, None] < C), other=0.0)
+        return tl.dot(h, w, logits, input_precision=INPUT_PRECISION)
+
+    @triton.jit
+    def _fold_logits(logits, bias_ptr, cols, col_ok, targets, running_max, running_sum, target_logit,
+                     HAS_BIAS: tl.constexpr, TAIL: tl.constexpr):
+        """Fold one (BLOCK_M, BLOCK_N) tile of logits into the running logsumexp (base 2) and target logit."""
         if HAS_BIAS:
             logits += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if TAIL:
@@ -93,16 +90,31 @@ if triton is not None:
         running_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)     # base-2 units
         running_sum = tl.zeros((BLOCK_M,), tl.float32)
         target_logit = tl.zeros((BLOCK_M,), tl.float32)
-        for v_start in range(0, full_tiles_end, BLOCK_N):   # whole tiles: no column masks
-            running_max, running_sum, target_logit = _fold_tile(
-                hidden_src, weight_src, bias_ptr, rows, row_ok, targets, row_start, v_start, V, C, stride_hn,
-                stride_wv, running_max, running_sum, target_logit, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K,
-                INPUT_PRECISION, False, EVEN_K, TMA)
-        if full_tiles_end < V:
-            running_max, running_sum, target_logit = _fold_tile(
-                hidden_src, weight_src, bias_ptr, rows, row_ok, targets, row_start, full_tiles_end, V, C, stride_hn,
-                stride_wv, running_max, running_sum, target_logit, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K,
-                INPUT_PRECISION, True, EVEN_K, TMA)
+        # Whole tiles, as one loop over (tile, k) steps rather than a k loop inside a tile loop: Triton pipelines
+        # one loop, so the next tile's first loads are in flight during a tile's logsumexp instead of the
+        # pipeline draining and refilling at every tile.
+        k_steps = tl.cdiv(C, BLOCK_K)
+        logits = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for step in range(0, full_tiles_end // BLOCK_N * k_steps):
+            k_index = step % k_steps
+            v_start = step // k_steps * BLOCK_N
+            cols = v_start + tl.arange(0, BLOCK_N)
+            logits = _k_step(hidden_src, weight_src, rows, row_ok, cols, cols < V, row_start, v_start,
+                             k_index * BLOCK_K, C, stride_hn, stride_wv, logits, BLOCK_K, INPUT_PRECISION, False,
+                             EVEN_K, TMA)
+            if k_index == k_steps - 1:
+                running_max, running_sum, target_logit = _fold_logits(
+                    logits, bias_ptr, cols, cols < V, targets, running_max, running_sum, target_logit, HAS_BIAS,
+                    False)
+                logits = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        if full_tiles_end < V:   # the last, partial tile, with masks
+            cols = full_tiles_end + tl.arange(0, BLOCK_N)
+            for k_start in range(0, C, BLOCK_K):
+                logits = _k_step(hidden_src, weight_src, rows, row_ok, cols, cols < V, row_start, full_tiles_end,
+                                 k_start, C, stride_hn, stride_wv, logits, BLOCK_K, INPUT_PRECISION, True, EVEN_K,
+                                 TMA)
+            running_max, running_sum, target_logit = _fold_logits(
+                logits, bias_ptr, cols, cols < V, targets, running_max, running_sum, target_logit, HAS_BIAS, True)
         nll = (running_max + tl.log2(running_sum)) * LN2 - target_logit
         tl.store(out_ptr + rows, nll, mask=row_ok)
 

@@ -53,6 +53,11 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, document_ids: Optional[torch.Tensor] = None,
                 cache_step: Optional[CacheStep] = None) -> torch.Tensor:
+        return self.proj(self.attend(x, document_ids, cache_step))
+
+    def attend(self, x: torch.Tensor, document_ids: Optional[torch.Tensor] = None,
+               cache_step: Optional[CacheStep] = None) -> torch.Tensor:
+        """(B, T, C) -> (B, T, C): the heads' outputs side by side, before the output projection."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         # (B, T, C) -> (B, nh, T, hs)
@@ -62,8 +67,7 @@ class CausalSelfAttention(nn.Module):
         else:
             k, v = self.kv_cache.update(cache_step.slots, k, v)            # (B, nh, L, hs)
             y = masked_attention(q, k, v, cache_step.mask, cache_step.attention)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)         # (B, nh, T, hs) -> (B, T, C)
-        return self.proj(y)
+        return y.transpose(1, 2).contiguous().view(B, T, C)      # (B, nh, T, hs) -> (B, T, C)
 
 
 class MLP(nn.Module):
@@ -73,7 +77,11 @@ class MLP(nn.Module):
         self.proj = nn.Linear(4 * config.n_embd, config.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))   # GPT-2's "gelu_new"
+        return self.proj(self.activation(x))
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., C) -> (..., 4C), before the output projection."""
+        return F.gelu(self.fc(x), approximate="tanh")   # GPT-2's "gelu_new"
 
 
 class Block(nn.Module):

@@ -1,0 +1,63 @@
+"""GPT-2's fused residual forward (accel/fused_norm.py: products added into the residual stream in place, projection
+biases added back by the LayerNorm kernel) against the model's own forward, in fp32, on the CPU through Triton's
+interpreter (conftest.py) and on a GPU where there is one. Tolerance: hidden states within 1e-5 relative (fp32
+summation order only). The bf16 comparison at GPT-2 124M's shape is in test_gpu.py."""
+import os
+
+import pytest
+import torch
+
+fused_norm = pytest.importorskip("fastppl.accel.fused_norm")
+if fused_norm.triton is None or (not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"):
+    pytest.skip("needs triton, and a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = [pytest.mark.gpu] if torch.cuda.is_available() else []
+
+
+def _model_with_biases():
+    from fastppl.models.loading import random_gpt2
+    model = random_gpt2("gpt2-tiny", 0, DEVICE).eval()
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    with torch.no_grad():   # GPT-2's initialisation zeroes the biases; a trained model's are not zero
+        for block in model.blocks:
+            for linear in (block.attn.proj, block.mlp.proj, block.attn.qkv, block.mlp.fc):
+                linear.bias.normal_(0, 0.5, generator=g)
+    return model
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_fused_forward_equals_the_plain_forward(packed):
+    model = _model_with_biases()
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    ids = torch.randint(0, 50257, (3, 40), device=DEVICE, generator=g)
+    args = ()
+    if packed:   # two documents a row: positions restart, no attention across
+        positions = torch.cat([torch.arange(15), torch.arange(25)]).to(DEVICE).expand(3, -1)
+        documents = torch.cat([torch.zeros(15), torch.ones(25)]).long().to(DEVICE).expand(3, -1)
+        args = (positions, documents)
+    with torch.inference_mode():
+        plain = model(ids, *args)
+        assert fused_norm.fuse_residual_norms(model)
+        fused = model(ids, *args)
+        fused_norm.unfuse_residual_norms(model)
+    assert _rel(fused, plain) <= 1e-5
+
+
+def test_fused_forward_reads_the_biases_as_they_are_now():
+    """The bias sums are taken at each forward, so weights loaded or changed after fusing are used."""
+    model = _model_with_biases()
+    ids = torch.randint(0, 50257, (2, 16), device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(2))
+    assert fused_norm.fuse_residual_norms(model)
+    with torch.inference_mode():
+        before = model(ids)
+        bias = model.blocks[0].mlp.proj.bias
+        bias.add_(torch.randn(bias.shape, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(4)))
+        after = model(ids)
+        fused_norm.unfuse_residual_norms(model)
+        plain = model(ids)
+    assert _rel(before, plain) > 1e-2
+    assert _rel(after, plain) <= 1e-5
