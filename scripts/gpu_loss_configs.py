@@ -1,8 +1,7 @@
 """Tile and pipeline choices for the fused loss's descriptor path (H200; PYTHONPATH=src), against its
-defaults (128 x 256 x 64, 8 warps, 3 stages), interleaved over 3 rounds. Expected before the run: the defaults
-stay best or within noise (the pointer path's sweep in session 1 found them best); 128 x 128 x 64 with 4 warps
-could fit two programs per SM, so that one's exponentials overlap the other's matmul, at twice the
-hidden-state traffic."""
+defaults (128 x 256 x 64, 8 warps, 3 stages), interleaved over 3 rounds. Session 13 found the defaults best
+with a k loop inside the tile loop. Session 14 made it one loop over (tile, k) steps, which changes what deeper
+pipelines buy: the expectation is that 4 stages (loads further ahead, across the tile boundary) may now win."""
 import json
 import os
 import statistics
@@ -17,11 +16,11 @@ from gpu_common import median_cuda_ms
 CONFIGS = {
     "defaults (128 x 256 x 64, 8 warps, 3 stages)": {},
     "4 stages": dict(num_stages=4),
+    "2 stages": dict(num_stages=2),
     "k 128, 2 stages": dict(block_k=128, num_stages=2),
     "k 32, 4 stages": dict(block_k=32, num_stages=4),
-    "128 x 128 x 64, 4 warps, 3 stages": dict(block_n=128, num_warps=4),
+    "k 32, 6 stages": dict(block_k=32, num_stages=6),
     "128 x 128 x 64, 8 warps, 4 stages": dict(block_n=128, num_stages=4),
-    "64 x 256 x 64, 4 warps, 3 stages": dict(block_m=64, num_warps=4),
 }
 rows = []
 dev = torch.device("cuda")
