@@ -18,9 +18,7 @@ CONFIGS = {
     "4 stages": dict(num_stages=4),
     "2 stages": dict(num_stages=2),
     "k 128, 2 stages": dict(block_k=128, num_stages=2),
-    "k 32, 4 stages": dict(block_k=32, num_stages=4),
     "k 32, 6 stages": dict(block_k=32, num_stages=6),
-    "128 x 128 x 64, 8 warps, 4 stages": dict(block_n=128, num_stages=4),
 }
 rows = []
 dev = torch.device("cuda")
