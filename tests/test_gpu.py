@@ -14,13 +14,19 @@ def _rel(a, b):
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 1e-3)])
 @pytest.mark.parametrize("packed", [False, True])
 def test_fused_residual_norms_match_plain_forward(dtype, tolerance, packed):
-    """The fused add + LayerNorm forward against the model's own forward: hidden states (fp32) and the
-    mean NLL through the same loss (both dtypes)."""
+    """The fused residual forward (products added into the stream by cuBLAS, projection biases added back by the
+    LayerNorm kernel) against the model's own forward: hidden states (fp32) and the mean NLL through the same
+    loss (both dtypes), on weights whose biases are not zero (GPT-2's initialisation zeroes them)."""
     from fastppl.accel.fused_norm import fuse_residual_norms, unfuse_residual_norms
     from fastppl.engine.loss import chunked_token_nll
     from fastppl.models.loading import random_gpt2
-    model = random_gpt2("gpt2", 0, torch.device("cuda")).to(dtype).eval()
+    model = random_gpt2("gpt2", 0, torch.device("cuda"))
     g = torch.Generator(device="cuda").manual_seed(1)
+    with torch.no_grad():
+        for block in model.blocks:
+            for linear in (block.attn.qkv, block.attn.proj, block.mlp.fc, block.mlp.proj):
+                linear.bias.normal_(0, 0.05, generator=g)
+    model = model.to(dtype).eval()
     ids = torch.randint(0, 50257, (4, 257), device="cuda", generator=g)
     inputs, targets = ids[:, :-1], ids[:, 1:].reshape(-1)
     args = ()
@@ -38,6 +44,29 @@ def test_fused_residual_norms_match_plain_forward(dtype, tolerance, packed):
     if dtype == torch.float32:
         assert _rel(fused, plain) <= 1e-5
     assert nll[1] == pytest.approx(nll[0], rel=tolerance)
+
+
+def test_mlp_epilogue_matches_plain_mlp():
+    """The MLP's bias + GELU in cuBLASLt's epilogue (tanh GELU, GPT-2's "gelu_new") against the plain MLP, fp32
+    (within 1e-5 relative) and bf16 (within 1e-2, one bf16 rounding of the pre-activation less)."""
+    from fastppl.accel.fused_mlp import fuse_mlp_epilogue, unfuse_mlp_epilogue
+    from fastppl.models.loading import random_gpt2
+    model = random_gpt2("gpt2", 0, torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(4, 64, 768, device="cuda", generator=g)
+    with torch.no_grad():
+        for block in model.blocks:
+            block.mlp.fc.bias.normal_(0, 0.5, generator=g)
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        mlp = model.to(dtype).blocks[0].mlp
+        with torch.inference_mode():
+            plain = mlp(x.to(dtype))
+            assert fuse_mlp_epilogue(model) == len(model.blocks)
+            fused = mlp(x.to(dtype))
+            unfuse_mlp_epilogue(model)
+            again = mlp(x.to(dtype))
+        assert _rel(fused, plain) <= tolerance
+        assert torch.equal(again, plain)
 
 
 def _eval(tmp_path, tokenizer_dir, shakespeare, **overrides):
