@@ -441,3 +441,52 @@ def test_an_output_inside_a_data_directory_is_refused(tmp_path, tokenizer_dir, c
     rc, err = _main(capsys, ["eval", "--model", TINY, "--data", str(corpus), "--tokenizer", str(tokenizer_dir),
                              "--device", "cpu", "--quiet", "--json", str(corpus / "a.txt")])
     assert rc == 2 and "would overwrite input" in err and (corpus / "a.txt").read_text().startswith("Tomorrow")
+
+
+def test_an_output_over_a_file_the_run_reads_is_refused(tmp_path, checkpoint, tokenizer_dir, shakespeare, capsys):
+    """The tokenizer's, the model's and a built-in corpus' files are inputs too: a report must not replace them."""
+    tokenizer = tmp_path / "tok"
+    _copy_checkpoint(tokenizer_dir, tokenizer)
+    model = _copy_checkpoint(checkpoint, tmp_path / "model")
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / "tinyshakespeare.txt").write_bytes(shakespeare.read_bytes())
+    text = tmp_path / "t.txt"
+    text.write_text("Out, out, brief candle!\n")
+    base = ["eval", "--device", "cpu", "--quiet", "--ctx", "32"]
+    cases = [
+        ([*base, "--model", TINY, "--tokenizer", str(tokenizer), "--data", str(text)], tokenizer / "tokenizer.json"),
+        ([*base, "--model", str(model), "--tokenizer", str(tokenizer_dir), "--data", str(text)], model / "config.json"),
+        ([*base, "--model", TINY, "--tokenizer", str(tokenizer_dir), "--data", "tinyshakespeare", "--data-dir",
+          str(data_dir), "--split", "val"], data_dir / "tinyshakespeare.txt"),
+    ]
+    for args, target in cases:
+        before = target.read_bytes()
+        rc, err = _main(capsys, [*args, "--json", str(target)])
+        assert rc == 2 and "would overwrite input" in err and err.count("\n") == 1, err
+        assert target.read_bytes() == before
+    # a new file beside them is fine
+    assert _main(capsys, [*cases[0][0], "--json", str(tokenizer / "report.json")])[0] == 0
+
+
+def test_resume_directory_is_kept_apart_from_inputs_and_outputs(tmp_path, tokenizer_dir, capsys):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("Life's but a walking shadow, a poor player.\n")
+    resume = tmp_path / "resume"
+    base = ["eval", "--model", TINY, "--tokenizer", str(tokenizer_dir), "--device", "cpu", "--quiet",
+            "--data", str(corpus)]
+    for extra, fragment in [
+        (["--resume", str(corpus)], "--resume"),                                         # the checkpoint would join the corpus
+        (["--resume", str(resume), "--json", str(resume / "checkpoint.npz")], "is or lies inside --resume"),
+        (["--resume", str(resume), "--json", str(resume)], "is or lies inside --resume"),
+    ]:
+        rc, err = _main(capsys, [*base, *extra])
+        assert rc == 2 and fragment in err and err.count("\n") == 1, err
+        assert sorted(p.name for p in corpus.iterdir()) == ["a.txt"] and not resume.exists()
+
+
+@pytest.mark.parametrize("device", ["mps", "meta", "xpu"])
+def test_devices_torch_knows_but_fastppl_does_not_run_on(device, text, outputs, tokenizer_dir, capsys):
+    _assert_user_error(*_main(capsys, _args(TINY, text, outputs, tokenizer_dir, "--device", device)), outputs,
+                       f"--device {device}: not supported")

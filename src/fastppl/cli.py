@@ -95,7 +95,7 @@ def run_eval(args: argparse.Namespace) -> int:
         return _relaunch(args)
     from .distributed import init_distributed, is_main_process, stop_all_on_failure
     from .pipeline import evaluate
-    from .report import check_distinct_outputs, check_writable, summary, write_json, write_jsonl, write_npy
+    from .report import check_distinct_outputs, check_writable, files_in, summary, write_json, write_jsonl, write_npy
 
     @stop_all_on_failure   # under torchrun, rank 0's output check stops the other ranks too
     def check_outputs() -> None:
@@ -103,7 +103,9 @@ def run_eval(args: argparse.Namespace) -> int:
         outputs = {"--json": args.json, "--per-token": args.per_token, "--per-doc": args.per_doc,
                    "--plot": args.plot}
         if is_main_process():
-            check_distinct_outputs(outputs, inputs=args.data)
+            # the corpus, and the files the model, tokenizer and built-in corpora are read from
+            inputs = [*args.data, *files_in(args.model), *files_in(args.tokenizer), *files_in(args.data_dir)]
+            check_distinct_outputs(outputs, inputs=inputs, output_dirs={"--resume": args.resume})
             for flag, path in outputs.items():
                 if path and flag != "--plot":
                     check_writable(path, flag)
@@ -211,9 +213,10 @@ def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_generate(args: argparse.Namespace) -> int:
     from .generate import GenerateConfig, Sampling, generation_summary, read_prompts, run_generate as generate
-    from .report import check_distinct_outputs, check_writable, write_json
+    from .report import check_distinct_outputs, check_writable, files_in, write_json
 
-    check_distinct_outputs({"--json": args.json}, inputs=[args.prompts] if args.prompts else [])
+    inputs = [*([args.prompts] if args.prompts else []), *files_in(args.model), *files_in(args.tokenizer)]
+    check_distinct_outputs({"--json": args.json}, inputs=inputs)
     if args.json:
         check_writable(args.json, "--json")
     prompts = list(args.prompt) + (read_prompts(args.prompts) if args.prompts else [])

@@ -20,11 +20,34 @@ def written_in_place(path: str) -> bool:
     return special(target) or special(real) or str(target).startswith(("/dev/", "/proc/"))
 
 
-def check_distinct_outputs(outputs: dict, inputs=()) -> None:
+def files_in(directory) -> list[str]:
+    """The files directly inside a local directory (none if it is not one): inputs a run reads from a model,
+    tokenizer or data directory, which no output may replace."""
+    path = Path(directory).expanduser() if directory else None
+    return [str(p) for p in path.iterdir() if p.is_file()] if path is not None and path.is_dir() else []
+
+
+def check_distinct_outputs(outputs: dict, inputs=(), output_dirs: dict = None) -> None:
     """Output paths ({flag: path or None}) must be non-empty, name different files, and not name an input
-    file or a file inside an input directory: a report written over the corpus it scored would destroy it."""
+    file or a file inside an input directory: a report written over the corpus it scored would destroy it.
+    output_dirs ({flag: directory or None}, e.g. --resume) are written too: they must not be, or lie inside, an
+    input, and no output file may lie inside them."""
     seen = {}
     input_paths = [Path(p).expanduser().resolve() for p in inputs if p and Path(p).expanduser().exists()]
+
+    def inside(path: Path, source: Path) -> bool:
+        return path == source or (source.is_dir() and path.is_relative_to(source))
+
+    directories = {}
+    for flag, directory in (output_dirs or {}).items():
+        if directory is None:
+            continue
+        resolved = Path(directory).expanduser().resolve()
+        for source in input_paths:
+            if inside(resolved, source) or resolved in source.parents:
+                raise FastpplError(f"{flag} {directory}: holds or lies inside input {source} of this run; pick "
+                                   "a directory of its own")
+        directories[resolved] = flag
     for flag, path in outputs.items():
         if path is None:
             continue
@@ -34,9 +57,13 @@ def check_distinct_outputs(outputs: dict, inputs=()) -> None:
             continue   # /dev/stdout, /dev/null: several outputs may share them
         resolved = Path(path).expanduser().resolve()
         for source in input_paths:
-            if resolved == source or (source.is_dir() and resolved.is_relative_to(source)):
+            if inside(resolved, source):
                 raise FastpplError(f"{flag} {path}: would overwrite input {source} of this run; pick another "
                                    "output path")
+        for directory, dir_flag in directories.items():
+            if resolved == directory or directory in resolved.parents:
+                raise FastpplError(f"{flag} {path}: is or lies inside {dir_flag} {directory}, which this run writes; "
+                                   "pick another output path")
         if resolved in seen:
             raise FastpplError(f"{flag} {path}: the same file as {seen[resolved]}; give each output its own path")
         seen[resolved] = flag
