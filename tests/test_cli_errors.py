@@ -308,6 +308,17 @@ def test_a_failed_write_leaves_no_partial_file(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_one_output_that_cannot_be_written_leaves_none_of_the_others(tmp_path, text, tokenizer_dir, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    rc, err = _main(capsys, ["eval", "--model", TINY, "--data", str(text), "--tokenizer", str(tokenizer_dir),
+                             "--device", "cpu", "--quiet", "--per-token", str(out / "t.npy"),
+                             "--per-doc", str(out / "d.jsonl"), "--json", "/dev/full"])
+    assert rc == 2 and "cannot write /dev/full" in err and err.count("\n") == 1, err
+    assert list(out.iterdir()) == []
+
+
 # ------------------------------------------------------------------------------ the options
 @pytest.mark.parametrize("extra, fragment", [
     (["--batch-size", 0], "--batch-size must be at least 1"),

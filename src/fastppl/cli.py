@@ -95,7 +95,8 @@ def run_eval(args: argparse.Namespace) -> int:
         return _relaunch(args)
     from .distributed import init_distributed, is_main_process, stop_all_on_failure
     from .pipeline import evaluate
-    from .report import check_distinct_outputs, check_writable, files_in, summary, write_json, write_jsonl, write_npy
+    from .report import (all_or_nothing, check_distinct_outputs, check_writable, files_in, summary, write_json,
+                         write_jsonl, write_npy)
 
     @stop_all_on_failure   # under torchrun, rank 0's output check stops the other ranks too
     def check_outputs() -> None:
@@ -120,15 +121,16 @@ def run_eval(args: argparse.Namespace) -> int:
         return 0   # only rank 0 prints and writes
     per_token = result.pop("_per_token", None)
     per_doc = result.pop("_per_doc", None)
-    if args.per_token:
-        write_npy(args.per_token, per_token)
-    if args.per_doc:
-        write_jsonl(args.per_doc, per_doc)
-    if args.json:
-        write_json(args.json, result)
-    if args.plot:
-        from .plot import write_loss_by_position
-        write_loss_by_position(args.plot, result)
+    with all_or_nothing():
+        if args.per_token:
+            write_npy(args.per_token, per_token)
+        if args.per_doc:
+            write_jsonl(args.per_doc, per_doc)
+        if args.json:
+            write_json(args.json, result)
+        if args.plot:
+            from .plot import write_loss_by_position
+            write_loss_by_position(args.plot, result)
     print(summary(result))
     return 0
 

@@ -1,11 +1,12 @@
 """Reporting: the human summary on stdout, and output files written atomically (no partial files)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from .errors import FastpplError
 
@@ -101,6 +102,32 @@ def _new_file_mode() -> int:
     return 0o666 & ~umask
 
 
+# (temporary file, target) pairs that write_atomic staged inside all_or_nothing(); None outside it
+_staged: Optional[list] = None
+
+
+@contextlib.contextmanager
+def all_or_nothing():
+    """Inside the block, write_atomic writes each file beside its target and renames them all into place when the
+    block ends without error; if any write fails, none is renamed: a run's output files appear together or not
+    at all (a --json that cannot be written leaves no --per-token file behind)."""
+    global _staged
+    outer, _staged = _staged, []
+    try:
+        yield
+        for i, (tmp, target) in enumerate(_staged):
+            try:
+                os.replace(tmp, target)
+            except OSError as e:
+                raise FastpplError(f"cannot write {target} ({e.strerror or e})") from None
+            _staged[i] = (None, target)
+    finally:
+        for tmp, _ in _staged:
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)
+        _staged = outer
+
+
 def write_atomic(path: str, write: Callable, binary: bool = False) -> None:
     """write(file) into a temporary file beside path, then rename it into place; on any failure
     nothing is left behind, and an OS error is a one-line FastpplError. A device or FIFO (/dev/stdout) is
@@ -120,6 +147,9 @@ def write_atomic(path: str, write: Callable, binary: bool = False) -> None:
         with os.fdopen(fd, "wb" if binary else "w") as f:
             write(f)
         os.chmod(tmp, _new_file_mode())   # mkstemp's 0600 would hide the report from the group
+        if _staged is not None:
+            _staged.append((tmp, target))   # renamed when all_or_nothing's block ends
+            return
         os.replace(tmp, target)
     except BaseException as e:
         if tmp is not None and os.path.exists(tmp):
