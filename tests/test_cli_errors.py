@@ -245,6 +245,31 @@ def test_corrupt_config_and_missing_weights(tmp_path, checkpoint, text, outputs,
                        "no model.safetensors or pytorch_model.bin")
 
 
+@pytest.mark.parametrize("change, fragment", [
+    (lambda c: [1, 2], "holds a JSON list, not an object of settings"),
+    (lambda c: {**c, "n_embd": "abc"}, "does not describe a valid model"),
+    (lambda c: {**c, "n_positions": -5}, "does not describe a valid model"),
+    (lambda c: {**c, "n_head": 3}, "does not describe a valid model"),        # 32 is not a multiple of 3
+])
+def test_config_of_the_wrong_types_or_sizes(tmp_path, checkpoint, text, outputs, tokenizer_dir, capsys, change,
+                                            fragment):
+    import json
+    broken = _copy_checkpoint(checkpoint, tmp_path / "bad-config")
+    config = json.loads((checkpoint / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps(change(config)))
+    _assert_user_error(*_main(capsys, _args(broken, text, outputs, tokenizer_dir, "--backend", "native")), outputs,
+                       "config.json", fragment)
+
+
+def test_integer_weights_are_refused(tmp_path, checkpoint, text, outputs, tokenizer_dir, capsys):
+    from safetensors.torch import load_file, save_file
+    broken = _copy_checkpoint(checkpoint, tmp_path / "int-weights")
+    state = load_file(str(checkpoint / "model.safetensors"))
+    save_file({k: v.to(torch.int32) for k, v in state.items()}, str(broken / "model.safetensors"))
+    _assert_user_error(*_main(capsys, _args(broken, text, outputs, tokenizer_dir, "--backend", "native")), outputs,
+                       "holds torch.int32 values, not weights")
+
+
 # ------------------------------------------------------------------------------ the outputs
 def test_json_in_a_missing_directory(tmp_path, text, tokenizer_dir, capsys):
     outputs = (tmp_path / "no-such-dir" / "r.json", tmp_path / "t.npy")

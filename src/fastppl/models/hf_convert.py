@@ -103,6 +103,8 @@ def load_hf_gpt2_state_dict(model: GPT2, hf_state: dict[str, torch.Tensor], sour
 
 def _copy_checked(target: torch.Tensor, tensor: torch.Tensor, source: str, hf_name: str) -> None:
     """target <- tensor, after checking that the checkpoint's shape is the one the config implies."""
+    if not tensor.is_floating_point():   # copy_ would convert integers silently
+        raise FastpplError(f"{source}: {hf_name} holds {tensor.dtype} values, not weights; the checkpoint is corrupt")
     if tuple(tensor.shape) != tuple(target.shape):
         raise FastpplError(
             f"{source}: {hf_name} has shape {tuple(tensor.shape)}, config.json implies "

@@ -94,9 +94,13 @@ def _read_config(directory: Path) -> dict:
     if not config_path.exists():
         raise FastpplError(f"{directory}: has no config.json; pass a Hugging Face checkpoint directory")
     try:
-        return json.loads(config_path.read_text())
+        config = json.loads(config_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise FastpplError(f"{config_path}: is not valid JSON ({e}); the checkpoint is corrupt") from None
+    if not isinstance(config, dict):
+        raise FastpplError(f"{config_path}: holds a JSON {type(config).__name__}, not an object of settings; "
+                           "the checkpoint is corrupt")
+    return config
 
 
 def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
@@ -184,10 +188,13 @@ def _load_native(directory: Path, hf_config: dict, config_from_hf, model_class, 
     """Build on the meta device (no memory, no init), then fill every weight from the checkpoint."""
     try:
         config = config_from_hf(hf_config)
+        with torch.device("meta"):
+            model = model_class(config)
     except KeyError as e:
         raise FastpplError(f"{directory}/config.json: lacks {e}; the checkpoint is corrupt") from None
-    with torch.device("meta"):
-        model = model_class(config)
+    except (TypeError, ValueError, AssertionError, RuntimeError) as e:   # a wrong type, a negative size, ...
+        raise FastpplError(f"{directory}/config.json: does not describe a valid model ({first_line(e, 160)}); "
+                           "the checkpoint is corrupt") from None
     tied = [name for name, module in model.named_modules()
             if isinstance(module, nn.Embedding) and module.weight is model.lm_head.weight]
     model = model.to_empty(device="cpu")
