@@ -457,8 +457,10 @@ def test_generate_nan_temperature_and_bench_zero_tokens(tokenizer_dir, capsys):
     rc, err = _main(capsys, ["generate", "--model", TINY, "--tokenizer", str(tokenizer_dir), "--device", "cpu",
                              "--prompt", "hi", "--max-new-tokens", "2", "--temperature", "nan"])
     assert rc == 2 and "--temperature must be a finite number" in err and err.count("\n") == 1
-    rc, err = _main(capsys, ["bench", "--model", TINY, "--device", "cpu", "--tokens", "0"])
-    assert rc == 2 and "--tokens must be at least 1" in err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--model", TINY, "--device", "cpu", "--tokens", "0"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--tokens: must be at least 1, got 0" in err and err.count("\n") == 1
     rc, err = _main(capsys, ["bench", "--model", TINY, "--device", "cpu", "--json", " "])
     assert rc == 2 and "--json: empty path" in err
 
@@ -526,3 +528,36 @@ def test_resume_directory_is_kept_apart_from_inputs_and_outputs(tmp_path, tokeni
 def test_devices_torch_knows_but_fastppl_does_not_run_on(device, text, outputs, tokenizer_dir, capsys):
     _assert_user_error(*_main(capsys, _args(TINY, text, outputs, tokenizer_dir, "--device", device)), outputs,
                        f"--device {device}: not supported")
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--batch-size", "0"], "--batch-size: must be at least 1, got 0"),
+    (["--batch-size", "-1"], "--batch-size: must be at least 1, got -1"),
+    (["--seq", "0"], "--seq/--ctx: must be at least 2, got 0"),
+    (["--seq", "1"], "--seq/--ctx: must be at least 2, got 1"),
+    (["--documents", "0", "--corpus", "docs"], "--documents: must be at least 1, got 0"),
+])
+def test_bench_sizes_below_their_minimum(extra, fragment, capsys):
+    """0 used to mean "the default" (batch 64) or named a --seq the user never gave."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--model", TINY, "--device", "cpu", *extra])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and fragment in err and err.count("\n") == 1, err
+
+
+def test_bench_empty_peers_and_fused_loss_on_the_cpu(capsys):
+    rc, err = _main(capsys, ["bench", "--model", TINY, "--device", "cpu", "--peers", ""])
+    assert rc == 2 and "--peers is empty" in err and err.count("\n") == 1, err
+    rc, err = _main(capsys, ["bench", "--model", TINY, "--device", "cpu", "--tokens", "512", "--seq", "64",
+                             "--peers", "fastppl", "--loss", "fused"])
+    assert rc == 2 and "--loss fused needs a CUDA device" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("command", ["eval", "generate"])
+def test_a_seed_beyond_64_bits(command, text, outputs, tokenizer_dir, capsys):
+    args = (_args(TINY, text, outputs, tokenizer_dir) if command == "eval" else
+            ["generate", "--model", TINY, "--tokenizer", str(tokenizer_dir), "--device", "cpu", "--prompt", "hi"])
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--seed", str(10**23)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--seed: must be below 2**64" in err and err.count("\n") == 1, err

@@ -198,6 +198,8 @@ def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_le
         raise FastpplError(f"--seq {seq_len} exceeds the model's {native.max_positions} positions")
     if loss == "auto":
         loss = "fused" if fused_loss_available(device) else "chunked"
+    elif loss == "fused" and not fused_loss_available(device):
+        raise FastpplError("--loss fused needs a CUDA device and Triton; use --loss chunked")
     on_cuda = device.type == "cuda"
     n_rows = max(batch_size, n_tokens // seq_len // batch_size * batch_size)
     rows = np.random.default_rng(0).integers(0, native.vocab_size, size=(n_rows, seq_len + 1), dtype=np.int64)

@@ -25,6 +25,27 @@ def _batch_size(value: str):
         raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {value!r}") from None
 
 
+def _at_least(minimum: int):
+    """An argparse type: an integer of at least minimum."""
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+        if number < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {number}")
+        return number
+    return parse
+
+
+def _seed(value: str) -> int:
+    """torch seeds with a 64-bit integer; a larger one fails deep inside torch."""
+    number = _at_least(-2**63)(value)
+    if number >= 2**64:
+        raise argparse.ArgumentTypeError(f"must be below 2**64, got {number}")
+    return number
+
+
 def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="HF checkpoint directory, hub id, or random:gpt2[-medium|-large|-xl|-tiny]")
     p.add_argument("--data", required=True, action="append",
@@ -60,7 +81,7 @@ def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache", default="auto", choices=["auto", "on", "off"],
                    help="sliding, rotary models: reuse cached keys/values (faster, carries context from before "
                         "the window; see README); auto = off")
-    p.add_argument("--seed", type=int, default=0, help="seed of random:<preset> weights")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of random:<preset> weights")
     p.add_argument("--json", help="write the full report here")
     p.add_argument("--per-token", help="write per-token NLL here (.npy float32, NaN where unscored)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -138,6 +159,8 @@ def run_eval(args: argparse.Namespace) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     from .report import check_distinct_outputs
     check_distinct_outputs({"--json": args.json})
+    if args.peers is not None and not args.peers.strip(","):
+        raise FastpplError("--peers is empty; name at least one peer, or leave --peers out for all of them")
     if args.generate:
         from .bench_generate import run_from_args as run_generate_bench
         return run_generate_bench(args)
@@ -153,9 +176,6 @@ def run_bench(args: argparse.Namespace) -> int:
         return run_bench_docs(args)
     from .bench import format_table, run_bench as bench
     from .report import check_writable, write_json
-    for flag, value in (("--tokens", args.tokens), ("--naive-tokens", args.naive_tokens)):
-        if value is not None and value < 1:
-            raise FastpplError(f"{flag} must be at least 1, got {value}")
     if args.json:
         check_writable(args.json, "--json")
     log = (lambda line: None) if args.quiet else (lambda line: print(line, file=_sys.stderr, flush=True))
@@ -204,7 +224,7 @@ def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, help="sample from the k most likely tokens")
     p.add_argument("--top-p", type=float, help="sample from the smallest set of tokens whose probability reaches p")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--seed", type=_seed, default=0, help="sampling seed")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     p.add_argument("--backend", default="auto", choices=["auto", "native"])
@@ -270,11 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser = sub.add_parser("bench", help="fastppl against its peers on the same weights and tokens")
     bench_parser.add_argument("--model", default="random:gpt2",
                               help="random:<preset>: gpt2[-medium|-large|-xl|-tiny], llama-1b, llama-tiny")
-    bench_parser.add_argument("--tokens", type=int, default=1_048_576, help="tokens through each peer")
-    bench_parser.add_argument("--naive-tokens", type=int, help="tokens through the (slow) naive loop")
-    bench_parser.add_argument("--seq", "--ctx", type=int,
+    bench_parser.add_argument("--tokens", type=_at_least(1), default=1_048_576, help="tokens through each peer")
+    bench_parser.add_argument("--naive-tokens", type=_at_least(1), help="tokens through the (slow) naive loop")
+    bench_parser.add_argument("--seq", "--ctx", type=_at_least(2),
                               help="row length: default 1024 (GPT-2), 2048 (Llama); --corpus docs: ctx")
-    bench_parser.add_argument("--batch-size", type=int, help="default 64 (GPT-2), 8 (Llama)")
+    bench_parser.add_argument("--batch-size", type=_at_least(1), help="default 64 (GPT-2), 8 (Llama)")
     bench_parser.add_argument("--device", default="auto")
     bench_parser.add_argument("--loss", default="auto", choices=["auto", "chunked", "fused"])
     bench_parser.add_argument("--variants", action="store_true", help="also time the other loss and compile choices")
@@ -288,13 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser.add_argument("--generate", action="store_true",
                               help="decode speed: fastppl generate against transformers generate (static, dynamic cache)")
     bench_parser.add_argument("--batch-sizes", default="1,64", help="--generate: comma-separated batch sizes")
-    bench_parser.add_argument("--new-tokens", type=int, default=256, help="--generate: new tokens per row")
-    bench_parser.add_argument("--prompt-tokens", type=int, default=32, help="--generate: random prompt tokens per row")
+    bench_parser.add_argument("--new-tokens", type=_at_least(1), default=256, help="--generate: new tokens per row")
+    bench_parser.add_argument("--prompt-tokens", type=_at_least(1), default=32, help="--generate: random prompt tokens per row")
     bench_parser.add_argument("--json", help="write the report here")
     bench_parser.add_argument("--corpus", default="dense", choices=["dense", "docs"],
                               help="dense: random full rows, fastppl against HF peers; docs: synthetic documents "
                                    "through packed, bucketed, padded and an lm-eval-style baseline")
-    bench_parser.add_argument("--documents", type=int, default=10_000, help="--corpus docs: documents")
+    bench_parser.add_argument("--documents", type=_at_least(1), default=10_000, help="--corpus docs: documents")
     bench_parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                               help="compile fastppl's scorer (auto: as eval would for this many tokens)")
     bench_parser.add_argument("--quiet", action="store_true")
