@@ -106,4 +106,5 @@ def test_bench_nproc_errors_are_one_line(tmp_path, tokenizer_dir):
          "--json", str(tmp_path / "no.json")], env=_env(), capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith("fastppl: error: the 1-process run failed: --ctx 512")
+    assert done.stderr.count("fastppl: error:") == 1, done.stderr   # the run's own error line is not echoed too
     assert not (tmp_path / "no.json").exists()

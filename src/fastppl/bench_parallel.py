@@ -82,7 +82,7 @@ def child_environment() -> dict:
 
 def run_eval(nproc: int, eval_argv: Sequence[str], name: str) -> tuple[dict, float]:
     """Run `fastppl <eval_argv>` on nproc processes; returns (its --json report, seconds from start to exit).
-    A failed run stops the bench with that run's error; its output is shown only then."""
+    A failed run stops the bench with that run's error line, or with its whole output where it printed none."""
     from .distributed import torchrun_command
     command = ([sys.executable, "-m", "fastppl", *eval_argv] if nproc == 1
                else torchrun_command(nproc, eval_argv))
@@ -91,8 +91,9 @@ def run_eval(nproc: int, eval_argv: Sequence[str], name: str) -> tuple[dict, flo
     done = subprocess.run(command, env=child_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seconds = time.perf_counter() - started
     if done.returncode != 0:
-        sys.stderr.write(done.stdout + done.stderr)
         errors = [line for line in done.stderr.splitlines() if line.startswith("fastppl: error: ")]
+        if not errors:   # an unexpected failure: its output is the evidence (a user error is said once, below)
+            sys.stderr.write(done.stdout + done.stderr)
         reason = errors[0][len("fastppl: error: "):] if errors else f"exit status {done.returncode}, output above"
         raise FastpplError(f"the {name} run failed: {reason}")
     with open(json_path) as f:
