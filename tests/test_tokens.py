@@ -232,3 +232,16 @@ def test_hub_tokenizer_goes_through_the_fast_path(tokenizer_dir, monkeypatch):
     tokenizer = load_tokenizer("openai-community/gpt2")
     assert asked and asked[0][0] == "openai-community/gpt2" and "tokenizer.json" in asked[0][1]["allow_patterns"]
     assert tokenizer.encode("Hello world").tolist() == [15496, 995]
+
+
+def test_vocab_and_merges_alone_tokenise_as_tokenizer_json(tmp_path, tokenizer_dir, shakespeare, gpt2):
+    """GPT-2's original files without tokenizer.json (the README lists the layout): the same ids, BOS and EOS."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copy(tokenizer_dir / name, bare / name)
+    loaded = load_tokenizer(str(bare))
+    text = shakespeare.read_text()[:200_000] + " <|endoftext|> ünï 中文 😀 e\u0301\r\n"
+    assert loaded.backend.encode(text).ids == gpt2.backend.encode(text).ids
+    assert (loaded.bos_id, loaded.eos_id, loaded.vocab_size) == (gpt2.bos_id, gpt2.eos_id, gpt2.vocab_size) == \
+        (50256, 50256, 50257)

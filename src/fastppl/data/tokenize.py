@@ -85,6 +85,25 @@ def _load_tokenizer_json(directory: Path, name: str) -> Optional[Tokenizer]:
                      eos_id=ids["eos_token"], vocab_size=backend.get_vocab_size(with_added_tokens=True))
 
 
+def _load_vocab_merges(directory: Path, name: str) -> Optional[Tokenizer]:
+    """GPT-2's original layout, vocab.json + merges.txt without tokenizer.json: a byte-level BPE as GPT-2 defines it
+    (no prefix space), with <|endoftext|> as its special token when the vocabulary has it (BOS and EOS). None if the
+    files cannot be read that way, so that transformers may try."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as RustTokenizer
+    try:
+        backend = RustTokenizer(models.BPE.from_file(str(directory / "vocab.json"), str(directory / "merges.txt")))
+    except Exception:
+        return None
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    end_of_text = backend.token_to_id("<|endoftext|>")
+    if end_of_text is not None:
+        backend.add_special_tokens([AddedToken("<|endoftext|>", special=True, normalized=False)])
+    return Tokenizer(backend=backend, name=name, fingerprint=_fingerprint(backend), bos_id=end_of_text,
+                     eos_id=end_of_text, vocab_size=backend.get_vocab_size(with_added_tokens=True))
+
+
 # what transformers may read to build a tokenizer: fast or slow files, sentencepiece models, and config.json
 # (some tokenizer_config.json files leave the tokenizer class to the model's config)
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -119,6 +138,12 @@ def load_tokenizer(name_or_path: str, offline_hint: str = "") -> Tokenizer:
         directory = hub_directory
     if (directory / "tokenizer.json").is_file():
         fast = _load_tokenizer_json(directory, name_or_path)
+        if fast is not None:
+            return fast
+    elif (directory / "vocab.json").is_file() and (directory / "merges.txt").is_file() and not any(
+            (directory / f).exists() for f in ("tokenizer_config.json", "special_tokens_map.json")):
+        # the bare files (transformers 5 does not build a tokenizer from them alone)
+        fast = _load_vocab_merges(directory, name_or_path)
         if fast is not None:
             return fast
     from transformers import AutoTokenizer
