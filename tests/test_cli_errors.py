@@ -561,3 +561,13 @@ def test_a_seed_beyond_64_bits(command, text, outputs, tokenizer_dir, capsys):
         main([*args, "--seed", str(10**23)])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "--seed: must be below 2**64" in err and err.count("\n") == 1, err
+
+
+def test_nproc_checks_data_and_outputs_before_starting_torchrun(tmp_path, text, tokenizer_dir, capsys, monkeypatch):
+    import fastppl.cli as cli
+    monkeypatch.setattr(cli, "_relaunch", lambda args: pytest.fail("torchrun was started"))
+    base = ["eval", "--nproc", "2", "--model", TINY, "--tokenizer", str(tokenizer_dir), "--device", "cpu"]
+    rc, err = _main(capsys, [*base, "--data", str(tmp_path / "missing.txt")])
+    assert rc == 2 and "missing.txt: no such file" in err and err.count("\n") == 1, err
+    rc, err = _main(capsys, [*base, "--data", str(text), "--json", str(tmp_path / "no-dir" / "r.json")])
+    assert rc == 2 and "does not exist" in err and err.count("\n") == 1, err

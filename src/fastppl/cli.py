@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
 from .errors import FastpplError
@@ -110,30 +111,39 @@ def _config_from_args(args: argparse.Namespace):
     )
 
 
+def _check_eval_outputs(args: argparse.Namespace) -> None:
+    from .report import check_distinct_outputs, check_writable, files_in
+    outputs = {"--json": args.json, "--per-token": args.per_token, "--per-doc": args.per_doc, "--plot": args.plot}
+    # the corpus, and the files the model, tokenizer and built-in corpora are read from
+    inputs = [*args.data, *files_in(args.model), *files_in(args.tokenizer), *files_in(args.data_dir)]
+    check_distinct_outputs(outputs, inputs=inputs, output_dirs={"--resume": args.resume})
+    for flag, path in outputs.items():
+        if path and flag != "--plot":
+            check_writable(path, flag)
+    if args.plot:
+        from .plot import check_plot_path
+        check_plot_path(args.plot)
+
+
 def run_eval(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc != 1:
-        _config_from_args(args)   # a bad option fails here, once, not in every rank
+        # a bad option, output path or --data path fails here, once, not in every rank under torchrun's traceback
+        _config_from_args(args)
+        _check_eval_outputs(args)
+        from .data.corpus import BUILTINS
+        for spec in args.data:
+            if spec not in BUILTINS and not spec.startswith("hf:") and not Path(spec).expanduser().exists():
+                raise FastpplError(f"{spec}: no such file; check the --data path")
         return _relaunch(args)
     from .distributed import init_distributed, is_main_process, stop_all_on_failure
     from .pipeline import evaluate
-    from .report import (all_or_nothing, check_distinct_outputs, check_writable, files_in, summary, write_json,
-                         write_jsonl, write_npy)
+    from .report import all_or_nothing, summary, write_json, write_jsonl, write_npy
 
     @stop_all_on_failure   # under torchrun, rank 0's output check stops the other ranks too
     def check_outputs() -> None:
         init_distributed(args.device)   # None on one process; evaluate() joins the same job
-        outputs = {"--json": args.json, "--per-token": args.per_token, "--per-doc": args.per_doc,
-                   "--plot": args.plot}
         if is_main_process():
-            # the corpus, and the files the model, tokenizer and built-in corpora are read from
-            inputs = [*args.data, *files_in(args.model), *files_in(args.tokenizer), *files_in(args.data_dir)]
-            check_distinct_outputs(outputs, inputs=inputs, output_dirs={"--resume": args.resume})
-            for flag, path in outputs.items():
-                if path and flag != "--plot":
-                    check_writable(path, flag)
-            if args.plot:
-                from .plot import check_plot_path
-                check_plot_path(args.plot)
+            _check_eval_outputs(args)
 
     config = _config_from_args(args)
     check_outputs()
