@@ -49,7 +49,7 @@ def test_npy_corpus_path_and_split_errors(tmp_path, tokenizer_dir):
     with pytest.raises(FastpplError, match="no such file"):
         _run(tokenizer_dir, tmp_path / "missing.npy")
     (tmp_path / "junk.npy").write_bytes(b"not numpy")
-    with pytest.raises(FastpplError, match="not a readable .npy"):
+    with pytest.raises(FastpplError, match="is not a NumPy .npy array of token ids"):
         _run(tokenizer_dir, tmp_path / "junk.npy")
     np.save(tmp_path / "ids.npy", np.arange(100))
     with pytest.raises(FastpplError, match="--split all"):

@@ -98,8 +98,8 @@ class Checkpointer:
             with np.load(self.path, allow_pickle=False) as stored:
                 arrays = {name: stored[name] for name in stored.files}
             meta = json.loads(str(arrays.pop("meta")))
-        except (OSError, ValueError, KeyError) as e:
-            raise FastpplError(f"{self.path}: is not a readable fastppl checkpoint ({e}); delete it to start over") from None
+        except (OSError, ValueError, KeyError):
+            raise FastpplError(f"{self.path}: is not a readable fastppl checkpoint; delete it to start over") from None
         saved = meta.get("fingerprint", {})
         if saved != self.fingerprint:
             differing = sorted(k for k in set(saved) | set(self.fingerprint) if saved.get(k) != self.fingerprint.get(k))

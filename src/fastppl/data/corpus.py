@@ -148,13 +148,16 @@ def token_id_document(path: Path) -> Document:
     try:
         ids = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as e:
-        raise FastpplError(f"{path}: not a readable .npy file ({str(e).splitlines()[0][:200]})") from None
+        # numpy's own reason names allow_pickle for any file it does not recognise, which misleads here
+        raise FastpplError(f"{path}: is not a NumPy .npy array of token ids; save the ids with numpy.save, or "
+                           "pass the text as a .txt file") from None
     if ids.ndim != 1 or ids.dtype.kind not in "iu":
         raise FastpplError(f"{path}: holds {ids.dtype} of shape {ids.shape}; a .npy corpus is a 1-D array of token ids")
     if ids.size == 0:
-        raise FastpplError(f"{path}: holds no token ids")
+        raise FastpplError(f"{path}: holds no token ids; a .npy corpus needs at least 2")
     if ids.min() < 0:
-        raise FastpplError(f"{path}: holds a negative token id ({ids.min()})")
+        raise FastpplError(f"{path}: holds a negative token id ({ids.min()}); the ids must come from the model's "
+                           "tokenizer")
     if ids.max() > np.iinfo(np.int64).max:   # uint64 beyond int64 would wrap to negative ids
         raise FastpplError(f"{path}: holds a token id ({ids.max()}) too large for any vocabulary")
     return Document(id=str(path), text="", token_ids=ids.astype(np.int64))
