@@ -92,12 +92,14 @@ def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
                         "flash attention runs and the run does not compile, else bucketed)")
     p.add_argument("--per-doc", help="write one JSON line per scored document here (id, tokens, bytes, words, nll_sum)")
     p.add_argument("--resume", metavar="DIR", help="checkpoint into DIR, and resume from the checkpoint found there")
-    p.add_argument("--checkpoint-seconds", type=float, default=60.0, help="with --resume: checkpoint at least this often")
+    p.add_argument("--checkpoint-seconds", type=float, help="with --resume: checkpoint at least this often (default 60)")
     p.add_argument("--checkpoint-batches", type=int, help="with --resume: also checkpoint every this many batches")
     p.add_argument("--plot", help="draw the loss by window position here (.png, .svg or .pdf; needs fastppl[plot])")
 
 
 def _config_from_args(args: argparse.Namespace):
+    if args.resume is None and (args.checkpoint_seconds is not None or args.checkpoint_batches is not None):
+        raise FastpplError("--checkpoint-seconds and --checkpoint-batches apply with --resume only; add --resume DIR")
     from .config import EvalConfig
     return EvalConfig(
         model=args.model, data=args.data, tokenizer=args.tokenizer, split=args.split,
@@ -107,7 +109,8 @@ def _config_from_args(args: argparse.Namespace):
         loss_chunk_rows=args.loss_chunk_rows,
         seed=args.seed, per_token=args.per_token, quiet=args.quiet,
         batching=args.batching, per_doc=args.per_doc, resume=args.resume,
-        checkpoint_seconds=args.checkpoint_seconds, checkpoint_batches=args.checkpoint_batches,
+        checkpoint_seconds=60.0 if args.checkpoint_seconds is None else args.checkpoint_seconds,
+        checkpoint_batches=args.checkpoint_batches,
     )
 
 
