@@ -179,7 +179,7 @@ def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_le
     compile: fastppl's row compiles its scorer or not (auto: as `fastppl eval` would for this many tokens).
     seq_len, batch_size and peers default by architecture (DEFAULTS)."""
     from .accel.compile import model_family, use_compile
-    from .engine.loss import fused_loss_available
+    from .engine.loss import fused_loss_available, resolve_loss
     from .models.llama import Llama
     from .models.loading import RANDOM_PREFIX, random_native
     device = resolve_device(device_name)
@@ -196,10 +196,7 @@ def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_le
         raise FastpplError(f"unknown --peers {', '.join(unknown)}; use a subset of {','.join(PEERS)}")
     if seq_len > native.max_positions:
         raise FastpplError(f"--seq {seq_len} exceeds the model's {native.max_positions} positions")
-    if loss == "auto":
-        loss = "fused" if fused_loss_available(device) else "chunked"
-    elif loss == "fused" and not fused_loss_available(device):
-        raise FastpplError("--loss fused needs a CUDA device and Triton; use --loss chunked")
+    loss = resolve_loss(loss, device)
     on_cuda = device.type == "cuda"
     n_rows = max(batch_size, n_tokens // seq_len // batch_size * batch_size)
     rows = np.random.default_rng(0).integers(0, native.vocab_size, size=(n_rows, seq_len + 1), dtype=np.int64)

@@ -212,7 +212,7 @@ def run_docs_bench(model_spec: str = "random:gpt2", n_documents: int = 10_000, c
                    batch_size: int = 64, device_name: str = "auto", loss: str = "auto", compile: str = "auto",
                    seed: int = 0, log: Callable[[str], None] = print) -> dict:
     from .accel.compile import allow_shapes, compile_score_fn, model_family, use_compile
-    from .engine.loss import fused_loss_available
+    from .engine.loss import resolve_loss
     from .engine.score import make_score_fn
     from .models.attention import document_attention_backend
     from .models.loading import RANDOM_PREFIX, native_to_hf, random_native
@@ -226,10 +226,7 @@ def run_docs_bench(model_spec: str = "random:gpt2", n_documents: int = 10_000, c
     native = random_native(model_spec[len(RANDOM_PREFIX):], seed, device)
     if ctx > native.max_positions:
         raise FastpplError(f"--ctx {ctx} exceeds the model's {native.max_positions} positions")
-    if loss == "auto":
-        loss = "fused" if fused_loss_available(device) else "chunked"
-    elif loss == "fused" and not fused_loss_available(device):
-        raise FastpplError("--loss fused needs a CUDA device and Triton; use --loss chunked")
+    loss = resolve_loss(loss, device)
 
     documents = synthetic_documents(n_documents, vocab_size=native.vocab_size, seed=seed)
     corpus = chunked_corpus(documents, ctx)

@@ -138,7 +138,7 @@ def run_parallel_bench(
     from .accel.compile import use_compile
     from .data.tokenize import load_tokenizer
     from .distributed import launch_env
-    from .engine.loss import fused_loss_available
+    from .engine.loss import resolve_loss
     from .engine.precision import resolve_device
     from .pipeline import default_tokenizer_name
 
@@ -158,8 +158,7 @@ def run_parallel_bench(
     n_written = corpus_tokens(n_tokens, seq_len, batch_size, counts)
     # eval's auto choices for the whole corpus, made once and passed to every run: the short warm-up run
     # then compiles what the timed runs will (eval alone would not compile a run that short)
-    if loss == "auto":
-        loss = "fused" if fused_loss_available(device) else "chunked"
+    loss = resolve_loss(loss, device)
     compile_on, _reason = use_compile("auto", device, n_written, loss)
 
     def eval_argv(corpus: Path, json_path: Path) -> list[str]:

@@ -29,7 +29,7 @@ from .data.windows import chunked_windows, sliding_windows
 from .distributed import init_distributed, shard_plans, stop_all_on_failure
 from .engine.cached_sliding import choose_kv_cache, score_cached_sliding
 from .engine.precision import resolve_device, resolve_dtype
-from .engine.loss import fused_loss_available
+from .engine.loss import resolve_loss
 from .engine.score import DeviceSums, make_score_fn, score_batches, score_plans
 from .errors import FastpplError
 from .metrics import lm_eval_word_count, per_unit_metrics
@@ -180,10 +180,7 @@ def evaluate(config: EvalConfig) -> dict:
     mark = time.perf_counter()
     model = model.to(device)
     loss = config.loss
-    if loss == "auto":
-        loss = "fused" if fused_loss_available(device) else "chunked"
-    elif loss == "fused" and not fused_loss_available(device):
-        raise FastpplError("--loss fused needs a CUDA device and Triton; use --loss chunked")
+    loss = resolve_loss(loss, device)
     window_lengths = np.array([r.window.length for r in refs], dtype=np.int64)
     compiled, compile_reason = use_compile(config.compile, device, n_scored, loss, model_family(model),
                                            scored_share=n_scored / int(window_lengths.sum()))

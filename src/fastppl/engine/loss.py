@@ -7,6 +7,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..errors import FastpplError
+
 
 def chunked_token_nll(
     hidden: torch.Tensor,            # (N, C) in the model's dtype
@@ -30,6 +32,15 @@ def fused_loss_available(device: torch.device) -> bool:
     """The fused kernel needs CUDA and Triton (found without importing it: that costs start-up)."""
     import importlib.util
     return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+def resolve_loss(loss: str, device: torch.device) -> str:
+    """--loss auto|chunked|fused -> the loss that runs: auto takes the fused kernel where it is available."""
+    if loss == "auto":
+        return "fused" if fused_loss_available(device) else "chunked"
+    if loss == "fused" and not fused_loss_available(device):
+        raise FastpplError("--loss fused needs a CUDA device and Triton; use --loss chunked")
+    return loss
 
 
 def token_nll_fn(kind: str, chunk_rows: int = 8192):
