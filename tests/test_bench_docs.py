@@ -1,4 +1,5 @@
 """fastppl bench --corpus docs on the CPU: a tiny corpus through every mode, the NLL check, the report."""
+import dataclasses
 import json
 
 import numpy as np
@@ -66,7 +67,13 @@ def test_per_position_ratio_counts_the_context_that_windows_re_read():
                          documents=2, ctx=8, batch_size=1, loss="chunked", compile="off")
     assert report["packed_over_dense"] == pytest.approx(0.5)
     assert report["packed_over_dense_per_position"] == pytest.approx(0.6)
-    assert "per position read: packed / dense 60.0 %" in format_docs_table(report)
+    table = format_docs_table(report)
+    assert "per position read: packed / dense 60.0 %" in table and "re-reads context" in table
+    fits = [dataclasses.replace(r, positions=10) if r.name == "packed" else r for r in results]
+    table = format_docs_table(docs_report(fits, 10, device=torch.device("cpu"), dtype=torch.float32,
+                                          model="random:gpt2-tiny", documents=2, ctx=8, batch_size=1,
+                                          loss="chunked", compile="off"))
+    assert "every document fits one window" in table and "re-reads" not in table
 
 
 def test_dense_only_options_are_refused(capsys):

@@ -322,9 +322,11 @@ def format_docs_table(report: dict) -> str:
                  f" (target <= 2 %, {met('packed_padding_waste')})")
     if report.get("packed_over_dense_per_position"):
         p = report["positions"]
+        why = (": a document's last window is right-aligned and re-reads context" if p["packed"] > report["tokens"]
+               else ": every document fits one window")
         lines.append(f"per position read: packed / dense {100 * report['packed_over_dense_per_position']:.1f} % "
-                     f"(packed reads {p['packed']:,} positions for {report['tokens']:,} tokens: a document's last "
-                     f"window is right-aligned and re-reads context; dense reads {p['dense']:,})")
+                     f"(packed reads {p['packed']:,} positions for {report['tokens']:,} tokens{why}; "
+                     f"dense reads {p['dense']:,})")
     verdict = "agree" if report["nll_agrees"] else "DISAGREE"
     lines.append(f"NLL of {', '.join(report['nll_checked_modes'])}: {verdict}, max relative difference "
                  f"{report['nll_max_relative_difference']:.2e} (tolerance {report['nll_tolerance']:.0e} in "

@@ -27,6 +27,7 @@ except ImportError:  # CPU-only installs
     triton = None
 
 ROWS_PER_PROGRAM = 4
+LAYER_NORM_WARPS = 4
 
 
 if triton is not None:
@@ -79,7 +80,7 @@ def add_layer_norm(x: torch.Tensor, delta: torch.Tensor, norm: nn.LayerNorm,
     grid = (triton.cdiv(n_rows, ROWS_PER_PROGRAM),)
     _add_layer_norm_kernel[grid](x, delta, x if total is None else total, out, norm.weight, norm.bias, n_rows,
                                  delta_rows, C, norm.eps, ROWS=ROWS_PER_PROGRAM, BLOCK_C=triton.next_power_of_2(C),
-                                 STORE_SUM=store_sum, num_warps=4)
+                                 STORE_SUM=store_sum, num_warps=LAYER_NORM_WARPS)
     return total, out
 
 
