@@ -10,6 +10,8 @@ candidates, each timed here in one process, interleaved:
    Expected: ~50 us each at 4 TB/s, -0.35 ms a batch.
 3. The scorer as `fastppl bench` runs it (host batches, pinned copies, the device sums) against the bare scorer on
    device-resident inputs: whether the bench's 33.5 ms a batch against the trace's 31.3 is the loop around it.
+4. 32, 64 and 128 rows a batch: whether fastppl's own batch size (eval's auto picks the largest that fits) moves
+   the rate. Expected: within 1 % (the products are already 65,536 rows tall).
 
 Prints tables; writes $OUT/scorer_sweep.json."""
 import json
@@ -124,5 +126,26 @@ results["loops"] = loop_ms
 print("\n| loop | ms per batch, 3 rounds |\n| --- | --- |")
 for k, v in loop_ms.items():
     print(f"| {k} | {' / '.join(f'{x:.2f}' for x in v)} |")
+# 4. rows per batch: the bench runs every peer at 64 x 1024; fastppl eval picks its own (auto: the largest that fits)
+per_batch = {}
+with torch.inference_mode():
+    for rows in (32, 64, 128):
+        ids = torch.randint(0, 50257, (rows, 1025), device=dev)
+        args = (ids[:, :T].contiguous(), ids[:, 1:].contiguous(), torch.ones(rows, T, dtype=torch.bool, device=dev))
+        for _ in range(5):
+            score(*args)
+        times = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(2048 // rows):
+                score(*args)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t) / (2048 // rows * rows * T) * 1e9)
+        per_batch[rows] = sorted(times)[1]
+results["ns_per_token_by_rows"] = per_batch
+print("\n| rows x 1024 | ns per token (median of 3 rounds of 2,048 rows) | tokens/s |\n| --- | --- | --- |")
+for rows, ns in per_batch.items():
+    print(f"| {rows} | {ns:.1f} | {1e9 / ns:,.0f} |")
 if os.environ.get("OUT"):
     json.dump(results, open(os.path.join(os.environ["OUT"], "scorer_sweep.json"), "w"), indent=1, default=str)

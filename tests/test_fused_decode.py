@@ -44,7 +44,8 @@ def prompts_of(lengths, vocab, seed=1):
     return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
-def fused_tokens(model, prompts, new_tokens, eos_id=-1, keep_logits=False, cache_len=None, decoder=None):
+def fused_tokens(model, prompts, new_tokens, eos_id=-1, keep_logits=False, cache_len=None, decoder=None,
+                 dependent_launch=None):
     """(new tokens (B, new_tokens) as lists, the decoder) through prefill + the fused step; a given decoder
     is reused (its model's cache must have cache_len slots)."""
     ids, pad = G.left_pad(prompts, pad_id=0)
@@ -55,7 +56,8 @@ def fused_tokens(model, prompts, new_tokens, eos_id=-1, keep_logits=False, cache
     with torch.inference_mode():
         ids, pad = torch.from_numpy(ids).to(DEVICE), torch.from_numpy(pad).to(DEVICE)
         first = G.prefill(model, ids, pad, cache_len, G.Sampling())
-        decoder = decoder or fused_decode.FusedGPT2Decoder(model, keep_logits=keep_logits)
+        decoder = decoder or fused_decode.FusedGPT2Decoder(model, keep_logits=keep_logits,
+                                                           dependent_launch=dependent_launch)
         decoder.start(first, pad, P, eos_id)
         for _ in range(new_tokens - 1):
             decoder.step()
@@ -133,6 +135,24 @@ def test_fused_logits_match_the_models_forward(dtype):
     assert (decoder.logits - reference).abs().max().item() <= tolerance * scale
     if dtype == torch.float32:
         assert decoder.logits.argmax(-1).tolist() == [t[5] for t in tokens]
+
+
+@pytest.mark.skipif(not (CUDA and fused_decode.dependent_launch_supported(DEVICE)),
+                    reason="programmatic dependent launch needs an NVIDIA GPU of compute capability 9+")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dependent_launches_give_the_same_tokens_and_logits_bit_for_bit(dtype):
+    """Each kernel may start while the one before it finishes, and must read nothing that one writes before
+    its wait: a race would move a logit, here at GPT-2's widths over 48 steps, with the attention's chunk
+    combine and every residual read in play."""
+    model = sharp_model(GPT2_WIDTHS, dtype)
+    prompts = prompts_of([7, 3][:fused_decode.MAX_BATCH], GPT2_WIDTHS.vocab_size, seed=5)
+    runs = {}
+    for dependent in (False, True):
+        tokens, decoder = fused_tokens(model, prompts, 48, keep_logits=True, dependent_launch=dependent)
+        assert decoder.dependent_launch is dependent and decoder.graph is not None
+        runs[dependent] = tokens, decoder.logits.clone()
+    assert runs[True][0] == runs[False][0]
+    assert torch.equal(runs[True][1], runs[False][1])
 
 
 @pytest.mark.skipif(not CUDA, reason="generate() takes the fused step on CUDA only")

@@ -57,6 +57,9 @@ class DecodeOptions:
     # LOGITS_ALIGN (the padding ids' logits are cut before sampling): GPT-2's 50,257 ids give cuBLAS an output
     # row it cannot align. Measured on the H200: -14 % a step at batch 8 and 64, -9 % at 128 (docs/BENCHMARKS.md)
     aligned_logits: bool = True
+    # the fused step's kernels launched with programmatic dependent launch (Hopper+): each starts and loads its
+    # weights while the one before it finishes (fastppl.accel.fused_decode)
+    dependent_launch: bool = True
 
     def __post_init__(self) -> None:
         if self.attention not in MASKED_ATTENTION:
@@ -80,13 +83,13 @@ class DecodeOptions:
                 if not value.isdigit():
                     raise FastpplError(f"{DECODE_ENV}: attend_bucket must be an integer >= 0, got {value!r}")
                 fields[key] = int(value)
-            elif key in ("fused", "additive_mask", "dynamic", "aligned_logits"):
+            elif key in ("fused", "additive_mask", "dynamic", "aligned_logits", "dependent_launch"):
                 if value.lower() not in ("0", "1", "true", "false", "none"):
                     raise FastpplError(f"{DECODE_ENV}: {key} must be true, false (or none for dynamic), got {value!r}")
                 fields[key] = None if value.lower() == "none" else value.lower() in ("1", "true")
             else:
                 raise FastpplError(f"{DECODE_ENV}: unknown option {key!r}; use fused, attention, additive_mask, "
-                                   "cache_write, attend_bucket, dynamic, aligned_logits")
+                                   "cache_write, attend_bucket, dynamic, aligned_logits, dependent_launch")
         return cls(**fields)
 
     @classmethod
@@ -339,7 +342,7 @@ def generate(
     decode_step, fused = _choose_decode_step(model, device, compile, decode, sampling, B)
     if fused:
         from .accel.fused_decode import fused_decoder
-        decoder = fused_decoder(model)           # kept with the cache, CUDA graph and all, for the next call
+        decoder = fused_decoder(model, decode.dependent_launch)   # kept with the cache and graph for the next call
         decoder.start(token, pad, P, eos)
     step_fn = compiled_decode_one_token(decode.dynamic) if compile and not fused else decode_one_token
     # the compiled step only: measured there (docs/BENCHMARKS.md, session 9); elsewhere the copy would cost
@@ -396,11 +399,12 @@ def _choose_decode_step(model: nn.Module, device: torch.device, compile: bool, d
         return "torch.compile", False
     if not decode.fused:
         return f"torch.compile, CUDA graphs ({DECODE_ENV} fused=0)", False
-    from .accel.fused_decode import fused_decode_unsupported
+    from .accel.fused_decode import dependent_launch_supported, fused_decode_unsupported
     reason = fused_decode_unsupported(model, sampling.temperature, batch)
     if reason is not None:
         return f"torch.compile, CUDA graphs ({reason})", False
-    return "fused Triton kernels, one CUDA graph per token", True
+    dependent = ", dependent launches" if decode.dependent_launch and dependent_launch_supported(device) else ""
+    return f"fused Triton kernels, one CUDA graph per token{dependent}", True
 
 
 def benchmark_generate(model: nn.Module, batch_size: int = 1, prompt_length: int = 16, new_tokens: int = 256,

@@ -45,6 +45,9 @@ MAX_BATCH = 2   # rows a decode step may have; larger batches run the compiled s
 TILE_ELEMENTS = 8192
 NUM_WARPS = 4
 CHUNK = 32      # cache slots per attention program (32-128 within 2 % at batch 1; 256 13 % slower)
+# each kernel launched with programmatic dependent launch where the GPU has it (compute capability 9+): it
+# starts, and loads its weights, while the kernel before it finishes (_wait_for_previous_kernel)
+DEPENDENT_LAUNCH = True
 
 # prologues (how the K row is read) and epilogues (what is done with the (rows, cols) result)
 PLAIN, LAYER_NORM = 0, 1
@@ -112,6 +115,16 @@ if triton is not None:
         tl.store(block_arg_ptr + rows * n_blocks + block, first, mask=row_ok)
 
     @triton.jit
+    def _wait_for_previous_kernel(GDC: tl.constexpr):
+        """Programmatic dependent launch (Hopper+): a kernel launched with launch_pdl may start while the one
+        before it runs; it waits here until that one has finished and its writes are visible, and only then
+        lets the next kernel start. So at most one kernel runs ahead, and what it reads before its wait (the
+        weights) no kernel writes. Without launch_pdl the wait returns at once."""
+        if GDC:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
     def _gemv_kernel(
         x_ptr, w_ptr, bias_ptr, out_ptr, N,
         ln_w_ptr, ln_b_ptr, eps,                              # LAYER_NORM
@@ -119,7 +132,7 @@ if triton is not None:
         block_max_ptr, block_arg_ptr, n_blocks,               # BLOCK_ARGMAX: (B, n_blocks)
         B: tl.constexpr, K: tl.constexpr, PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr,
         HAS_BIAS: tl.constexpr, GELU: tl.constexpr, STORE_LOGITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr = False,
     ):
         """out (B, N) = epilogue(prologue(x) (B, K) @ w.T (K, N) + bias); a program: all B rows
         (BLOCK_B >= B), BLOCK_N columns, the whole K (BLOCK_K >= K) in one load of the weights."""
@@ -129,6 +142,8 @@ if triton is not None:
         row_ok, col_ok, k_ok = rows < B, cols < N, k < K
         w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=col_ok[:, None] & k_ok[None, :],
                     other=0.0)                                                            # (BN, BK)
+        # the weights never change during decoding, so they load before the previous kernel has finished
+        _wait_for_previous_kernel(GDC)
         x_ok = row_ok[:, None] & k_ok[None, :]
         x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=x_ok, other=0.0).to(tl.float32)   # (BB, BK)
         if PROLOGUE == K_LAYER_NORM:   # the rows are in registers already
@@ -138,8 +153,10 @@ if triton is not None:
                   block_max_ptr, block_arg_ptr, n_blocks, EPILOGUE, HAS_BIAS, GELU, STORE_LOGITS, HEAD_DIM)
 
     @triton.jit
-    def _embed_kernel(token_ptr, pos_ptr, pad_ptr, wte_ptr, wpe_ptr, x_ptr, C, BLOCK_C: tl.constexpr):
+    def _embed_kernel(token_ptr, pos_ptr, pad_ptr, wte_ptr, wpe_ptr, x_ptr, C, BLOCK_C: tl.constexpr,
+                      GDC: tl.constexpr = False):
         """x[b] = wte[token[b]] + wpe[max(pos - pad[b], 0)], fp32."""
+        _wait_for_previous_kernel(GDC)
         b = tl.program_id(0)
         token = tl.load(token_ptr + b)
         position = tl.maximum(tl.load(pos_ptr) - tl.load(pad_ptr + b), 0)
@@ -153,7 +170,7 @@ if triton is not None:
     def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, pad_ptr, out_ptr,
                           chunk_out_ptr, chunk_max_ptr, chunk_sum_ptr, arrived_ptr, L, n_chunks, scale,
                           N_HEAD: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
-                          CHUNKS_PAD: tl.constexpr):
+                          CHUNKS_PAD: tl.constexpr, GDC: tl.constexpr = False):
         """One (row, head, chunk of CHUNK slots): the query's scores over the chunk's visible slots, their
         max m, sum of exp(s - m) l and exp-weighted values o, stored; the row-head's last chunk program to
         arrive combines them all into out (B, nh, hs):
@@ -161,6 +178,7 @@ if triton is not None:
             out = sum_c exp(m_c - M) o_c / sum_c exp(m_c - M) l_c,   M = max_c m_c
 
         A chunk with no visible slot has m = -inf, l = 0, o = 0 and weight exp(-inf) = 0."""
+        _wait_for_previous_kernel(GDC)
         row_head, chunk = tl.program_id(0), tl.program_id(1)
         row = row_head // N_HEAD
         pos = tl.load(pos_ptr)
@@ -198,9 +216,11 @@ if triton is not None:
 
     @triton.jit
     def _pick_token_kernel(block_max_ptr, block_arg_ptr, n_blocks, token_ptr, finished_ptr, history_ptr,
-                           history_len, pos_ptr, B, eos_ptr, BLOCK_B: tl.constexpr, BLOCKS_PAD: tl.constexpr):
+                           history_len, pos_ptr, B, eos_ptr, BLOCK_B: tl.constexpr, BLOCKS_PAD: tl.constexpr,
+                           GDC: tl.constexpr = False):
         """Each row's token = the lowest id among the blocks' maxima (torch.argmax's tie rule); a finished row
         gets eos. Writes token, finished, history[b, pos + 1], and advances pos (one program: all rows)."""
+        _wait_for_previous_kernel(GDC)
         rows = tl.arange(0, BLOCK_B)
         row_ok = rows < B
         blocks = tl.arange(0, BLOCKS_PAD)
@@ -241,6 +261,12 @@ def fused_decode_unsupported(model: nn.Module, temperature: float, batch: int = 
     return None
 
 
+def dependent_launch_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch: NVIDIA compute capability 9+ (not Triton's interpreter, not ROCm)."""
+    return (device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
 def _next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -257,7 +283,8 @@ class FusedGPT2Decoder:
     into them. The decoder holds the model weakly (the cache of fused_decoder is keyed by the model's
     cache). keep_logits also writes each step's fp32 logits to .logits (tests)."""
 
-    def __init__(self, model: GPT2, keep_logits: bool = False, use_graph: Optional[bool] = None):
+    def __init__(self, model: GPT2, keep_logits: bool = False, use_graph: Optional[bool] = None,
+                 dependent_launch: Optional[bool] = None):
         cache = model.blocks[0].attn.kv_cache
         reason = fused_decode_unsupported(model, 0.0, cache.k.shape[0] if cache is not None else 1)
         assert reason is None, reason
@@ -294,6 +321,11 @@ class FusedGPT2Decoder:
         self.device = device
         self.use_graph = device.type == "cuda" if use_graph is None else use_graph
         self.graph = None
+        if dependent_launch is None:
+            dependent_launch = DEPENDENT_LAUNCH
+        self.dependent_launch = dependent_launch and dependent_launch_supported(device)
+        # each kernel's GDC (its wait) and launch_pdl (may start early) go together
+        self.dependent = dict(GDC=True, launch_pdl=True) if self.dependent_launch else {}
 
     def start(self, first_token: torch.Tensor, pad: torch.Tensor, prompt_len: int, eos_id: int) -> None:
         """Begin a generation: first_token (B,) follows the prompts, left-padded (pad (B,)) to prompt_len
@@ -326,7 +358,7 @@ class FusedGPT2Decoder:
             B=self.batch, K=K, PROLOGUE=prologue, EPILOGUE=epilogue, HAS_BIAS=bias is not None, GELU=gelu,
             STORE_LOGITS=epilogue == BLOCK_ARGMAX and out is not None, HEAD_DIM=head_dim,
             BLOCK_B=_next_power_of_2(self.batch), BLOCK_N=block_n, BLOCK_K=_next_power_of_2(K),
-            num_warps=NUM_WARPS,
+            num_warps=NUM_WARPS, **self.dependent,
         )
 
     def _launch_step(self) -> None:
@@ -334,7 +366,7 @@ class FusedGPT2Decoder:
         config, B = model.config, self.batch
         C, hs = config.n_embd, config.head_dim
         _embed_kernel[(B,)](self.token, self.pos, self.pad, model.wte.weight, model.wpe.weight, self.residual,
-                            C, BLOCK_C=_next_power_of_2(C))
+                            C, BLOCK_C=_next_power_of_2(C), **self.dependent)
         for block in model.blocks:
             attn, mlp, cache = block.attn, block.mlp, block.attn.kv_cache
             self._gemv(self.residual, attn.qkv.weight, attn.qkv.bias, self.query, LAYER_NORM, QKV_TO_CACHE,
@@ -342,7 +374,8 @@ class FusedGPT2Decoder:
             _attention_kernel[(B * config.n_head, self.n_chunks)](
                 self.query, cache.k, cache.v, self.pos, self.pad, self.attended, self.chunk_out, self.chunk_max,
                 self.chunk_sum, self.arrived, self.cache_len, self.n_chunks, 1.0 / math.sqrt(hs),
-                N_HEAD=config.n_head, HEAD_DIM=hs, CHUNK=CHUNK, CHUNKS_PAD=_next_power_of_2(self.n_chunks))
+                N_HEAD=config.n_head, HEAD_DIM=hs, CHUNK=CHUNK, CHUNKS_PAD=_next_power_of_2(self.n_chunks),
+                **self.dependent)
             self._gemv(self.attended, attn.proj.weight, attn.proj.bias, self.residual, PLAIN, ADD_TO_RESIDUAL)
             self._gemv(self.residual, mlp.fc.weight, mlp.fc.bias, self.hidden, LAYER_NORM, STORE, gelu=True,
                        norm=block.ln_2)
@@ -352,7 +385,8 @@ class FusedGPT2Decoder:
         _pick_token_kernel[(1,)](
             self.block_max, self.block_arg, self.n_vocab_blocks, self.token, self.finished, self.history,
             self.history.shape[1], self.pos, B, self.eos,
-            BLOCK_B=_next_power_of_2(B), BLOCKS_PAD=_next_power_of_2(self.n_vocab_blocks), num_warps=8)
+            BLOCK_B=_next_power_of_2(B), BLOCKS_PAD=_next_power_of_2(self.n_vocab_blocks), num_warps=8,
+            **self.dependent)
 
     def step(self) -> None:
         """One token for every row (asynchronous)."""
@@ -404,11 +438,12 @@ def _addresses(model: GPT2) -> tuple:
     return tuple(p.data_ptr() for p in model.parameters()) + tuple(t.data_ptr() for c in caches for t in (c.k, c.v))
 
 
-def fused_decoder(model: GPT2) -> FusedGPT2Decoder:
+def fused_decoder(model: GPT2, dependent_launch: bool = DEPENDENT_LAUNCH) -> FusedGPT2Decoder:
     """The decoder of the model's attached cache, built on first use and reused while the weights and
-    caches stay where its graph reads them."""
+    caches stay where its graph reads them (and the launch mode is the one asked for)."""
     cache = model.blocks[0].attn.kv_cache
     decoder = _decoders.get(cache)
-    if decoder is None or decoder.model_ref() is not model or decoder.addresses != _addresses(model):
-        decoder = _decoders[cache] = FusedGPT2Decoder(model)
+    if (decoder is None or decoder.model_ref() is not model or decoder.addresses != _addresses(model)
+            or decoder.dependent_launch != (dependent_launch and dependent_launch_supported(cache.k.device))):
+        decoder = _decoders[cache] = FusedGPT2Decoder(model, dependent_launch=dependent_launch)
     return decoder
