@@ -356,6 +356,7 @@ def test_one_output_that_cannot_be_written_leaves_none_of_the_others(tmp_path, t
     (["--loss-chunk-rows", 0], "--loss-chunk-rows must be at least 1"),
     (["--checkpoint-batches", 3], "apply with --resume only"),     # would be silently ignored
     (["--checkpoint-seconds", 5], "apply with --resume only"),
+    (["--text-field", "body"], "--text-field applies to .jsonl files and hf: datasets"),   # was ignored
 ])
 def test_bad_options(extra, fragment, text, outputs, tokenizer_dir, capsys):
     _assert_user_error(*_main(capsys, _args(TINY, text, outputs, tokenizer_dir, *extra)), outputs, fragment)

@@ -56,7 +56,7 @@ def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", help="tokenizer directory or hub id (default: the model's)")
     p.add_argument("--split", default="all", choices=["train", "val", "all"],
                    help="nanoGPT split of a single text: first 90%% / last 10%% of the characters")
-    p.add_argument("--text-field", default="text", help="field of a .jsonl line holding the text")
+    p.add_argument("--text-field", help="field of a .jsonl line or hf: dataset row holding the text (default: text)")
     p.add_argument("--data-dir", help="directory holding local copies of built-in corpora (or FASTPPL_DATA_DIR)")
     p.add_argument("--errors", default="strict", choices=["strict", "replace"], help="undecodable UTF-8 bytes")
     p.add_argument("--window", default="chunked", choices=["chunked", "sliding"],
@@ -100,10 +100,12 @@ def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
 def _config_from_args(args: argparse.Namespace):
     if args.resume is None and (args.checkpoint_seconds is not None or args.checkpoint_batches is not None):
         raise FastpplError("--checkpoint-seconds and --checkpoint-batches apply with --resume only; add --resume DIR")
+    if args.text_field is not None and not any(s.startswith("hf:") or Path(s).suffix == ".jsonl" for s in args.data):
+        raise FastpplError("--text-field applies to .jsonl files and hf: datasets, and no --data is one; drop it")
     from .config import EvalConfig
     return EvalConfig(
         model=args.model, data=args.data, tokenizer=args.tokenizer, split=args.split,
-        text_field=args.text_field, data_dir=args.data_dir, errors=args.errors, window=args.window,
+        text_field=args.text_field or "text", data_dir=args.data_dir, errors=args.errors, window=args.window,
         ctx=args.ctx, stride=args.stride, bos=args.bos, batch_size=args.batch_size, device=args.device,
         dtype=args.dtype, backend=args.backend, compile=args.compile, loss=args.loss, kv_cache=args.kv_cache,
         loss_chunk_rows=args.loss_chunk_rows,
