@@ -73,7 +73,7 @@ def test_per_position_ratio_counts_the_context_that_windows_re_read():
     table = format_docs_table(docs_report(fits, 10, device=torch.device("cpu"), dtype=torch.float32,
                                           model="random:gpt2-tiny", documents=2, ctx=8, batch_size=1,
                                           loss="chunked", compile="off"))
-    assert "every document fits one window" in table and "re-reads" not in table
+    assert "no window re-reads context" in table and "right-aligned" not in table
 
 
 def test_dense_only_options_are_refused(capsys):

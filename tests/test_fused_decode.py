@@ -146,13 +146,75 @@ def test_dependent_launches_give_the_same_tokens_and_logits_bit_for_bit(dtype):
     combine and every residual read in play."""
     model = sharp_model(GPT2_WIDTHS, dtype)
     prompts = prompts_of([7, 3][:fused_decode.MAX_BATCH], GPT2_WIDTHS.vocab_size, seed=5)
+    ids, pad = G.left_pad(prompts, pad_id=0)
     runs = {}
     for dependent in (False, True):
-        tokens, decoder = fused_tokens(model, prompts, 48, keep_logits=True, dependent_launch=dependent)
+        setup_kv_cache(model, len(prompts), 64)
+        with torch.inference_mode():
+            ids_d, pad_d = torch.from_numpy(ids).to(DEVICE), torch.from_numpy(pad).to(DEVICE)
+            first = G.prefill(model, ids_d, pad_d, 64, G.Sampling())
+            decoder = fused_decode.FusedGPT2Decoder(model, keep_logits=True, dependent_launch=dependent)
+            decoder.start(first, pad_d, ids.shape[1], -1)
+            logits = []
+            for _ in range(48):
+                decoder.step()
+                logits.append(decoder.logits.clone())   # every step's, not only the last one's
+            runs[dependent] = decoder.new_tokens(48).tolist(), torch.stack(logits)
         assert decoder.dependent_launch is dependent and decoder.graph is not None
-        runs[dependent] = tokens, decoder.logits.clone()
     assert runs[True][0] == runs[False][0]
     assert torch.equal(runs[True][1], runs[False][1])
+
+
+_PTX_ORDER = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import fastppl.accel.fused_decode as fd
+signature = dict(x_ptr="*fp32", w_ptr="*bf16", bias_ptr="*bf16", out_ptr="*fp32", N="i32", ln_w_ptr="*bf16",
+                 ln_b_ptr="*bf16", eps="fp32", k_cache_ptr="*bf16", v_cache_ptr="*bf16", pos_ptr="*i64", L="i32",
+                 block_max_ptr="*fp32", block_arg_ptr="*i32", n_blocks="i32")
+constants = dict(B=1, K=64, PROLOGUE=fd.LAYER_NORM, EPILOGUE=fd.QKV_TO_CACHE, HAS_BIAS=True, GELU=False,
+                 STORE_LOGITS=False, HEAD_DIM=32, BLOCK_B=1, BLOCK_N=16, BLOCK_K=64, GDC=True)
+signature.update({name: "constexpr" for name in constants})
+source = ASTSource(fn=fd._gemv_kernel, signature=signature, constexprs=constants)
+try:
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, launch_pdl=True))
+except RuntimeError as error:
+    print(json.dumps(dict(skip=str(error)[:200]))); sys.exit(0)
+print(json.dumps(dict(ptx=kernel.asm["ptx"])))
+"""
+
+
+@pytest.mark.skipif(not hasattr(fused_decode.tl.extra.cuda, "gdc_wait"), reason="this Triton has no dependent launch")
+def test_the_product_kernel_reads_only_weights_before_its_wait():
+    """Compiled for an sm_90 target (on the CPU too; in a process of its own, as the tests run Triton's
+    interpreter): in the PTX, the weight tile's loads come before griddepcontrol.wait and every other load
+    after it, so a kernel that starts early reads nothing the kernel before it writes."""
+    import json
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _PTX_ORDER], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    if "skip" in result:   # no ptxas for this target in this Triton build
+        pytest.skip(f"cannot compile for sm_90 here: {result['skip']}")
+    lines = result["ptx"].splitlines()
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    assert any("griddepcontrol.launch_dependents" in line for line in lines[wait:])
+    import re
+
+    def bytes_loaded(line):   # per thread: ld.global[.v2|.v4].bN
+        vector = re.search(r"\.v(\d)\.", line)
+        return (int(vector.group(1)) if vector else 1) * int(re.search(r"\.b(\d+)", line).group(1)) // 8
+
+    loads = [(i, line) for i, line in enumerate(lines) if "ld.global" in line]
+    before = sum(bytes_loaded(line) for i, line in loads if i < wait)
+    # the (16 x 64) bf16 weight tile over 4 warps of 32 threads is 16 bytes a thread, and nothing else; x, the
+    # LayerNorm's weights, the bias and pos are read after the wait
+    assert before == 16 * 64 * 2 // (4 * 32)
+    assert any(i > wait for i, _ in loads)
 
 
 @pytest.mark.skipif(not CUDA, reason="generate() takes the fused step on CUDA only")

@@ -170,7 +170,7 @@ def test_decode_options_parse_and_bucket_lengths():
     assert DecodeOptions.parse("") == DecodeOptions() and DecodeOptions().attend_len(40, 320) == 320
     assert [options.attend_len(pos, 320) for pos in (32, 63, 64, 300)] == [64, 64, 128, 320]
     for bad in ("attention=flash", "cache_write=put", "attend_bucket=-3", "colour=red", "dynamic=maybe",
-                "attend_bucket=x"):
+                "attend_bucket=x", "dependent_launch=none", "fused=none"):
         with pytest.raises(FastpplError, match="FASTPPL_DECODE"):
             DecodeOptions.parse(bad)
 

@@ -323,7 +323,7 @@ def format_docs_table(report: dict) -> str:
     if report.get("packed_over_dense_per_position"):
         p = report["positions"]
         why = (": a document's last window is right-aligned and re-reads context" if p["packed"] > report["tokens"]
-               else ": every document fits one window")
+               else ": no window re-reads context")
         lines.append(f"per position read: packed / dense {100 * report['packed_over_dense_per_position']:.1f} % "
                      f"(packed reads {p['packed']:,} positions for {report['tokens']:,} tokens{why}; "
                      f"dense reads {p['dense']:,})")

@@ -105,7 +105,7 @@ def _config_from_args(args: argparse.Namespace):
     from .config import EvalConfig
     return EvalConfig(
         model=args.model, data=args.data, tokenizer=args.tokenizer, split=args.split,
-        text_field=args.text_field or "text", data_dir=args.data_dir, errors=args.errors, window=args.window,
+        text_field="text" if args.text_field is None else args.text_field, data_dir=args.data_dir, errors=args.errors, window=args.window,
         ctx=args.ctx, stride=args.stride, bos=args.bos, batch_size=args.batch_size, device=args.device,
         dtype=args.dtype, backend=args.backend, compile=args.compile, loss=args.loss, kv_cache=args.kv_cache,
         loss_chunk_rows=args.loss_chunk_rows,

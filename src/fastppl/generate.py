@@ -43,7 +43,8 @@ class DecodeOptions:
     """How the decode step computes; every choice gives the same tokens in fp32 (tests/test_generate.py,
     tests/test_fused_decode.py).
     The defaults come from the environment variable FASTPPL_DECODE (DecodeOptions.from_env).
-    All but `fused` apply to the compiled step, which fused=False selects where the fused one could run."""
+    `fused` and `dependent_launch` apply to the fused step, the others to the compiled step, which fused=False
+    selects where the fused one could run."""
     fused: bool = True               # Triton decode step (fastppl.accel.fused_decode) where it supports the model
     attention: str = "sdpa"          # masked_attention's kernel: sdpa, matmul or reduction
     additive_mask: bool = False      # the mask as a float 0 / -inf tensor, built once a step, not bool
@@ -84,7 +85,8 @@ class DecodeOptions:
                     raise FastpplError(f"{DECODE_ENV}: attend_bucket must be an integer >= 0, got {value!r}")
                 fields[key] = int(value)
             elif key in ("fused", "additive_mask", "dynamic", "aligned_logits", "dependent_launch"):
-                if value.lower() not in ("0", "1", "true", "false", "none"):
+                allowed = ("0", "1", "true", "false") + (("none",) if key == "dynamic" else ())
+                if value.lower() not in allowed:
                     raise FastpplError(f"{DECODE_ENV}: {key} must be true, false (or none for dynamic), got {value!r}")
                 fields[key] = None if value.lower() == "none" else value.lower() in ("1", "true")
             else:

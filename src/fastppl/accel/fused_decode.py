@@ -24,6 +24,7 @@ decode_one_token, eager, is the reference
 from __future__ import annotations
 
 import math
+import os
 import weakref
 from typing import Optional
 
@@ -262,9 +263,17 @@ def fused_decode_unsupported(model: nn.Module, temperature: float, batch: int = 
 
 
 def dependent_launch_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch: NVIDIA compute capability 9+ (not Triton's interpreter, not ROCm)."""
-    return (device.type == "cuda" and torch.version.hip is None
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+    """Programmatic dependent launch: NVIDIA compute capability 9+, a Triton that has it (3.4+: gdc_wait and the
+    launch_pdl option), not Triton's interpreter, not ROCm."""
+    if device.type != "cuda" or torch.version.hip is not None or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if triton is None or not hasattr(tl.extra.cuda, "gdc_wait"):
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _next_power_of_2(n: int) -> int:
@@ -438,9 +447,11 @@ def _addresses(model: GPT2) -> tuple:
     return tuple(p.data_ptr() for p in model.parameters()) + tuple(t.data_ptr() for c in caches for t in (c.k, c.v))
 
 
-def fused_decoder(model: GPT2, dependent_launch: bool = DEPENDENT_LAUNCH) -> FusedGPT2Decoder:
+def fused_decoder(model: GPT2, dependent_launch: Optional[bool] = None) -> FusedGPT2Decoder:
     """The decoder of the model's attached cache, built on first use and reused while the weights and
-    caches stay where its graph reads them (and the launch mode is the one asked for)."""
+    caches stay where its graph reads them (and the launch mode is the one asked for; None: DEPENDENT_LAUNCH)."""
+    if dependent_launch is None:
+        dependent_launch = DEPENDENT_LAUNCH
     cache = model.blocks[0].attn.kv_cache
     decoder = _decoders.get(cache)
     if (decoder is None or decoder.model_ref() is not model or decoder.addresses != _addresses(model)
