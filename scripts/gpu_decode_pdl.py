@@ -44,6 +44,8 @@ for batch in (1, 2):
     for dependent, (ms, rate, _, step) in results.items():
         rows.append(dict(step="fused", batch=batch, dependent_launch=dependent, ms_per_step=ms, tokens_per_second=rate,
                          decode_step=step, same_tokens=same))
+        print(f"fused batch {batch} dependent launch {dependent}: {ms:.3f} ms/step, {rate:,.0f} tokens/s, "
+              f"same tokens {same}", flush=True)
 
 import torch._dynamo
 import torch._inductor.config as inductor_config
