@@ -12,6 +12,6 @@ timeout 100 python3 -m fastppl bench --generate --batch-sizes 1 --new-tokens 128
 timeout 100 python3 scripts/gpu_decode_pdl.py > $OUT/decode_pdl.log 2>&1; echo "decode_pdl rc $?"
 timeout 110 python3 scripts/gpu_scorer_sweep.py > $OUT/sweep.log 2>&1; echo "sweep rc $?"
 tail -2 $OUT/pytest.log; tail -2 $OUT/pytest_gpu.log
-grep -E "^\||^FAILED|fused Triton" $OUT/decode_pdl.log
+grep -E "^\||^FAILED|^fused" $OUT/decode_pdl.log
 tail -6 $OUT/bench_gen.log
 grep -E "^\|" $OUT/sweep.log
