@@ -7,9 +7,9 @@
 . scripts/calls/eval_wall.sh   # PYTHONPATH, FASTPPL_SHARED_DATA
 nvidia-smi --query-gpu=name,clocks.sm,power.draw,power.limit --format=csv,noheader
 timeout 120 python3 -m pytest -q -m gpu tests/test_fused_decode.py tests/test_fused_norm.py > $OUT/pytest.log 2>&1; echo "pytest rc $?"
-timeout 60 python3 -m pytest -q -m gpu tests/test_gpu.py -k "residual or epilogue" > $OUT/pytest_gpu.log 2>&1; echo "pytest gpu rc $?"
 timeout 100 python3 -m fastppl bench --generate --batch-sizes 1 --new-tokens 128 --quiet --json $OUT/bench_gen.json > $OUT/bench_gen.log 2>&1; echo "bench gen rc $?"
-timeout 100 python3 scripts/gpu_decode_pdl.py > $OUT/decode_pdl.log 2>&1; echo "decode_pdl rc $?"
+timeout 90 python3 scripts/gpu_decode_pdl.py > $OUT/decode_pdl.log 2>&1; echo "decode_pdl rc $?"
+timeout 60 python3 -m pytest -q -m gpu tests/test_gpu.py -k "residual or epilogue" > $OUT/pytest_gpu.log 2>&1; echo "pytest gpu rc $?"
 timeout 110 python3 scripts/gpu_scorer_sweep.py > $OUT/sweep.log 2>&1; echo "sweep rc $?"
 tail -2 $OUT/pytest.log; tail -2 $OUT/pytest_gpu.log
 grep -E "^\||^FAILED|^fused" $OUT/decode_pdl.log
