@@ -166,7 +166,7 @@ def test_decode_options_give_the_default_tokens(preset, options):
 def test_decode_options_parse_and_bucket_lengths():
     options = DecodeOptions.parse(" attention=matmul, attend_bucket=64 ,dynamic=false")
     assert options == DecodeOptions(attention="matmul", attend_bucket=64, dynamic=False)
-    assert DecodeOptions.parse("dependent_launch=0") == DecodeOptions(dependent_launch=False)
+    assert DecodeOptions.parse("dependent_launch=1") == DecodeOptions(dependent_launch=True)
     assert DecodeOptions.parse("") == DecodeOptions() and DecodeOptions().attend_len(40, 320) == 320
     assert [options.attend_len(pos, 320) for pos in (32, 63, 64, 300)] == [64, 64, 128, 320]
     for bad in ("attention=flash", "cache_write=put", "attend_bucket=-3", "colour=red", "dynamic=maybe",

@@ -59,8 +59,8 @@ class DecodeOptions:
     # row it cannot align. Measured on the H200: -14 % a step at batch 8 and 64, -9 % at 128 (docs/BENCHMARKS.md)
     aligned_logits: bool = True
     # the fused step's kernels launched with programmatic dependent launch (Hopper+): each starts and loads its
-    # weights while the one before it finishes (fastppl.accel.fused_decode)
-    dependent_launch: bool = True
+    # weights while the one before it finishes (fastppl.accel.fused_decode). Off until measured on a GPU
+    dependent_launch: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in MASKED_ATTENTION:
