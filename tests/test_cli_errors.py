@@ -250,6 +250,10 @@ def test_corrupt_config_and_missing_weights(tmp_path, checkpoint, text, outputs,
     (lambda c: {**c, "n_embd": "abc"}, "does not describe a valid model"),
     (lambda c: {**c, "n_positions": -5}, "does not describe a valid model"),
     (lambda c: {**c, "n_head": 3}, "does not describe a valid model"),        # 32 is not a multiple of 3
+    (lambda c: {**c, "n_head": -2}, "every size must be at least 1"),           # -2 divides 64
+    (lambda c: {**c, "n_layer": 0}, "every size must be at least 1"),
+    (lambda c: {**c, "layer_norm_epsilon": -1}, "layer_norm_epsilon must be positive"),   # NaN NLL, exit 0 before
+    (lambda c: {**c, "n_layer": 1}, "weights config.json does not use (first: transformer.h.1."),   # layer 1 dropped
 ])
 def test_config_of_the_wrong_types_or_sizes(tmp_path, checkpoint, text, outputs, tokenizer_dir, capsys, change,
                                             fragment):
@@ -259,6 +263,22 @@ def test_config_of_the_wrong_types_or_sizes(tmp_path, checkpoint, text, outputs,
     (broken / "config.json").write_text(json.dumps(change(config)))
     _assert_user_error(*_main(capsys, _args(broken, text, outputs, tokenizer_dir, "--backend", "native")), outputs,
                        "config.json", fragment)
+
+
+def test_a_tied_model_whose_file_has_its_own_output_matrix_is_refused(tmp_path, checkpoint, text, outputs,
+                                                                       tokenizer_dir, capsys):
+    """The native GPT-2 ties lm_head to wte: a different lm_head.weight in the file would be dropped silently."""
+    from safetensors.torch import load_file, save_file
+    broken = _copy_checkpoint(checkpoint, tmp_path / "own-head")
+    state = load_file(str(checkpoint / "model.safetensors"))
+    state["lm_head.weight"] = state["transformer.wte.weight"] + 1.0
+    save_file(state, str(broken / "model.safetensors"))
+    _assert_user_error(*_main(capsys, _args(broken, text, outputs, tokenizer_dir, "--backend", "native")), outputs,
+                       "lm_head.weight differs from transformer.wte.weight")
+    state["lm_head.weight"] = state["transformer.wte.weight"].clone()   # the tied matrix saved twice: fine
+    save_file(state, str(broken / "model.safetensors"))
+    from fastppl.models.loading import load_model
+    assert load_model(str(broken), backend="native").config.n_layer >= 1
 
 
 def test_integer_weights_are_refused(tmp_path, checkpoint, text, outputs, tokenizer_dir, capsys):
@@ -466,6 +486,28 @@ def test_generate_nan_temperature_and_bench_zero_tokens(tokenizer_dir, capsys):
     assert exit_info.value.code == 2 and "--tokens: must be at least 1, got 0" in err and err.count("\n") == 1
     rc, err = _main(capsys, ["bench", "--model", TINY, "--device", "cpu", "--json", " "])
     assert rc == 2 and "--json: empty path" in err
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--top-k", "5"], "--top-k apply to sampling"),                  # ran greedily, ignoring them
+    (["--top-p", "0.5", "--seed", "3"], "--top-p, --seed apply to sampling"),
+    (["--prompt", "caf\udce9"], "a --prompt is not valid UTF-8 text"),   # argv byte 0xe9: was a TypeError
+])
+def test_generate_options_that_would_be_ignored_or_crash(extra, fragment, tokenizer_dir, capsys):
+    rc, err = _main(capsys, ["generate", "--model", TINY, "--tokenizer", str(tokenizer_dir), "--device", "cpu",
+                             "--prompt", "hi", "--max-new-tokens", "2", *extra])
+    assert rc == 2 and err.startswith("fastppl: error: ") and fragment in err and err.count("\n") == 1, err
+
+
+def test_json_path_with_a_trailing_slash_and_out_of_memory(tmp_path, tokenizer_dir, capsys):
+    rc, err = _main(capsys, ["generate", "--model", TINY, "--tokenizer", str(tokenizer_dir), "--device", "cpu",
+                             "--prompt", "hi", "--max-new-tokens", "2", "--json", str(tmp_path / "sub") + "/"])
+    assert rc == 2 and "is a directory; give a file path" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "sub").exists()     # was written as a file named sub, exit 0
+    rc, err = _main(capsys, ["bench", "--generate", "--model", TINY, "--device", "cpu",
+                             "--batch-sizes", str(10**11), "--new-tokens", "2"])
+    # after bench's header line (progress): the error, one line, no traceback
+    assert rc == 2 and err.splitlines()[-1].startswith("fastppl: error: out of memory") and "Traceback" not in err, err
 
 
 def test_compare_plot_over_an_input_report_is_refused(tmp_path, capsys):

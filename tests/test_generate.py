@@ -65,6 +65,21 @@ def test_sampling_is_reproducible_with_a_seed():
     assert first != other and first != greedy
 
 
+def test_a_tiny_temperature_samples_the_greedy_token_not_nan():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 1000) * 3
+    for temperature in (1e-40, 1e-300, 5e-324):   # logits / temperature alone would overflow to inf, softmax to NaN
+        assert torch.equal(sample(logits, temperature), logits.argmax(-1))
+
+
+def test_nan_logits_are_an_error_not_token_zero():
+    model = random_native("gpt2-tiny")
+    with torch.no_grad():
+        model.blocks[0].mlp.fc.weight[0, 0] = float("nan")   # a corrupt checkpoint
+    with pytest.raises(FastpplError, match="logits are not finite"):
+        generate(model, [[5, 6, 7]], 3, compile=False)
+
+
 def test_sample_respects_top_k_and_top_p():
     torch.manual_seed(0)
     logits = torch.randn(4, 1000) * 3

@@ -177,6 +177,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.peers is not None and not args.peers.strip(","):
         raise FastpplError("--peers is empty; name at least one peer, or leave --peers out for all of them")
     if args.generate:
+        from .generate import DecodeOptions
+        DecodeOptions.from_env()   # a bad FASTPPL_DECODE fails now, not after the models are built
         from .bench_generate import run_from_args as run_generate_bench
         return run_generate_bench(args)
     if args.nproc is not None or args.corpus == "docs":
@@ -239,7 +241,7 @@ def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, help="sample from the k most likely tokens")
     p.add_argument("--top-p", type=float, help="sample from the smallest set of tokens whose probability reaches p")
-    p.add_argument("--seed", type=_seed, default=0, help="sampling seed")
+    p.add_argument("--seed", type=_seed, help="sampling seed (default 0)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     p.add_argument("--backend", default="auto", choices=["auto", "native"])
@@ -256,10 +258,23 @@ def run_generate(args: argparse.Namespace) -> int:
     check_distinct_outputs({"--json": args.json}, inputs=inputs)
     if args.json:
         check_writable(args.json, "--json")
+    from .generate import DecodeOptions
+    DecodeOptions.from_env()   # a bad FASTPPL_DECODE fails now, not after the model is built
+    sampling_only = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed))
+                     if value is not None]
+    if sampling_only and args.temperature == 0:
+        raise FastpplError(f"{', '.join(sampling_only)} apply to sampling, and --temperature 0 decodes greedily; "
+                           "set --temperature > 0 or drop them")
+    for prompt in args.prompt:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:   # argv bytes that are not UTF-8 arrive as surrogates
+            raise FastpplError("a --prompt is not valid UTF-8 text; pass it in a UTF-8 file with --prompts") from None
     prompts = list(args.prompt) + (read_prompts(args.prompts) if args.prompts else [])
     config = GenerateConfig(
         model=args.model, prompts=prompts, max_new_tokens=args.max_new_tokens, tokenizer=args.tokenizer,
-        sampling=Sampling(args.temperature, args.top_k, args.top_p, args.seed), device=args.device,
+        sampling=Sampling(args.temperature, args.top_k, args.top_p, 0 if args.seed is None else args.seed),
+        device=args.device,
         dtype=args.dtype, backend=args.backend, compile=args.compile,
     )
     result = generate(config)
@@ -360,6 +375,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("fastppl: interrupted", file=sys.stderr)
         return 130
+    except (RuntimeError, MemoryError) as e:
+        from .errors import first_line, is_out_of_memory
+        if not (isinstance(e, MemoryError) or is_out_of_memory(e) or "can't allocate memory" in str(e)):
+            raise   # a real failure, with its traceback
+        # what --batch-size auto does not cover (a fixed batch, bench's batch sizes, generate's prompts)
+        print(f"fastppl: error: out of memory ({first_line(e, 120)}); use a smaller batch or fewer prompts",
+              file=sys.stderr)
+        return 2
     except OSError as e:   # a path the checks above did not foresee (too long, unreadable, ...)
         if e.filename is None:
             raise   # not about a path the user gave: a real failure, with its traceback

@@ -81,7 +81,7 @@ class DecodeOptions:
             if key in ("attention", "cache_write"):
                 fields[key] = value
             elif key == "attend_bucket":
-                if not value.isdigit():
+                if not (value.isascii() and value.isdigit()):   # "²".isdigit() is True, int("²") fails
                     raise FastpplError(f"{DECODE_ENV}: attend_bucket must be an integer >= 0, got {value!r}")
                 fields[key] = int(value)
             elif key in ("fused", "additive_mask", "dynamic", "aligned_logits", "dependent_launch"):
@@ -127,7 +127,11 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: Optional[int] 
     """(B, V) fp32 logits -> (B,) token ids, without a host sync."""
     if temperature <= 0:
         return logits.argmax(dim=-1)
-    logits = logits / temperature
+    # shifted to a row maximum of 0 first (softmax, top-k and top-p do not change): a tiny temperature then
+    # sends the others to -inf, not every logit to +-inf and the probabilities to NaN
+    # (and a temperature below the dtype's smallest normal number would round to 0 in it: 0 / 0)
+    temperature = max(temperature, torch.finfo(logits.dtype).tiny)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, top_k, dim=-1).values[:, -1:]            # (B, 1)
         logits = logits.masked_fill(logits < kth_largest, -math.inf)
@@ -214,7 +218,12 @@ def prefill(model: nn.Module, ids: torch.Tensor, pad: torch.Tensor, cache_len: i
     positions = (slots[None, :] - pad[:, None]).clamp(min=0)                  # (B, P)
     step = CacheStep(slots=slots, mask=padded_mask(pad, slots, cache_len))   # (P,) slots: every row the same
     hidden = model(ids, positions, cache_step=step)
-    return sample(_logits(model, hidden), sampling.temperature, sampling.top_k, sampling.top_p)
+    logits = _logits(model, hidden)
+    # one host sync per generation: NaN logits would silently become token 0 at every step
+    if not bool(torch.isfinite(logits).all()):
+        raise FastpplError("the model's logits are not finite (NaN or inf): its weights or config.json are broken, "
+                           "or the dtype overflows; try --dtype fp32")
+    return sample(logits, sampling.temperature, sampling.top_k, sampling.top_p)
 
 
 def decode_one_token(

@@ -74,7 +74,7 @@ def check_writable(path: str, flag: str) -> None:
     """Fail before any work if an output file cannot be written. Creating a file is the only reliable
     test: os.access says yes to root on read-only and pseudo filesystems."""
     target = Path(path).expanduser()
-    if target.is_dir():
+    if target.is_dir() or str(path).endswith(("/", os.sep)):   # Path() drops a trailing slash
         raise FastpplError(f"{flag} {path}: is a directory; give a file path")
     if written_in_place(path):
         if not target.exists():

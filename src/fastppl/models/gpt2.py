@@ -28,6 +28,9 @@ class GPT2Config:
         return self.n_embd // self.n_head
 
     def __post_init__(self) -> None:
+        assert min(self.vocab_size, self.n_positions, self.n_embd, self.n_layer, self.n_head) >= 1, \
+            "every size must be at least 1"
+        assert self.layer_norm_epsilon > 0, "layer_norm_epsilon must be positive"
         assert self.n_embd % self.n_head == 0, "n_embd must be a multiple of n_head"
 
 

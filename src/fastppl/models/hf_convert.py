@@ -92,6 +92,8 @@ def load_hf_gpt2_state_dict(model: GPT2, hf_state: dict[str, torch.Tensor], sour
             f"{source}: checkpoint lacks {len(missing)} GPT-2 weights (first: {missing[0]}); "
             "the file is incomplete or not a GPT-2 checkpoint"
         )
+    # the native GPT-2 ties lm_head to wte: a checkpoint's own lm_head must be that same matrix
+    _check_unused(hf_state, set(names.values()), "lm_head.weight", "transformer.wte.weight", source)
     native_params = dict(model.named_parameters())
     with torch.no_grad():
         for native, hf in names.items():
@@ -99,6 +101,24 @@ def load_hf_gpt2_state_dict(model: GPT2, hf_state: dict[str, torch.Tensor], sour
             if _CONV1D.search(hf):
                 tensor = tensor.t()
             _copy_checked(native_params[native], tensor, source, hf)
+
+
+def _check_unused(hf_state: dict, used: set, tied_head: str, embedding: str, source: str) -> None:
+    """Refuse a checkpoint with weights the model would drop (a config with fewer layers than the file, or a
+    tied model whose file holds its own, different output matrix): the result would silently be another model's."""
+    unused = sorted(k for k in hf_state if k not in used and not k.endswith("rotary_emb.inv_freq"))
+    if tied_head in unused and embedding in hf_state:
+        head, table = hf_state[tied_head], hf_state[embedding]
+        if head.shape == table.shape and torch.equal(head, table):
+            unused.remove(tied_head)   # the tied matrix, saved twice
+        elif not [k for k in unused if k != tied_head]:
+            raise FastpplError(
+                f"{source}: {tied_head} differs from {embedding}, but config.json ties them (tie_word_embeddings); "
+                "the config does not match the file")
+    if unused:
+        raise FastpplError(
+            f"{source}: checkpoint holds {len(unused)} weights config.json does not use (first: {unused[0]}); "
+            "the config does not match the file (fewer layers than the file has?)")
 
 
 def _copy_checked(target: torch.Tensor, tensor: torch.Tensor, source: str, hf_name: str) -> None:
@@ -152,6 +172,9 @@ _LAYER = re.compile(r"^blocks\.(\d+)\.")
 def _llama_rope(hf_config: dict) -> dict:
     """The RoPE settings from either spelling: transformers 5's rope_parameters, or the older
     rope_theta + rope_scaling (whose type key was once "type")."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if not isinstance(hf_config.get(key) or {}, dict):
+            raise FastpplError(f"config.json: {key} is not an object of settings; the checkpoint is corrupt")
     rope = dict(hf_config.get("rope_parameters") or {})
     if not rope:
         rope = dict(hf_config.get("rope_scaling") or {})
@@ -253,6 +276,8 @@ def load_hf_llama_state_dict(model: Llama, hf_state: dict[str, torch.Tensor], so
             f"{source}: checkpoint lacks {len(missing)} weights that config.json implies (first: {missing[0]}); "
             "the file is incomplete or its config does not match it"
         )
+    _check_unused(hf_state, {hf for hf_names in names.values() for hf in hf_names}, "lm_head.weight",
+                  "model.embed_tokens.weight", source)
     with torch.no_grad():
         for native, hf_names in names.items():
             tensor = torch.cat([hf_state[hf] for hf in hf_names]) if len(hf_names) > 1 else hf_state[hf_names[0]]

@@ -47,6 +47,9 @@ class LlamaConfig:
     mlp_bias: bool = False
 
     def __post_init__(self) -> None:
+        assert min(self.vocab_size, self.max_positions, self.hidden_size, self.intermediate_size, self.n_layer,
+                   self.n_head, self.n_kv_head) >= 1, "every size must be at least 1"
+        assert self.rms_norm_eps > 0 and self.rope_theta > 0, "rms_norm_eps and rope_theta must be positive"
         if self.head_dim is None:
             assert self.hidden_size % self.n_head == 0, "hidden_size must be a multiple of n_head"
             self.head_dim = self.hidden_size // self.n_head
