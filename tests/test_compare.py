@@ -195,11 +195,20 @@ def test_comparison_figures(tmp_path, capsys):
     {"nll": "x", "ppl": 1, "tokens_scored": 1, "config": {}},
     {"nll": 1.0, "ppl": 1.0, "tokens_scored": "a", "config": {"data": ["a.txt"]}},
     {"nll": 1.0, "ppl": 1.0, "tokens_scored": 1, "config": {"data": 5}},
+    # session 15's campaign: each was a TypeError or AttributeError with --force
+    {**make_result(), "config": {"data": [1, None]}},
+    {**make_result(), "tokens_per_second": "fast"},
+    {**make_result(), "bits_per_byte": "x"},
+    {**make_result(), "environment": "x"},
+    {**make_result(), "dtype": {}},
+    {**make_result(), "per_doc_path": 5},
+    {**make_result(), "nll_by_position": [1, "a", None]},
+    {**make_result(), "tokens_scored": -3},
 ])
 def test_fields_of_the_wrong_type_are_a_one_line_error(tmp_path, capsys, report):
     from fastppl.cli import main
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(report))
-    assert main(["compare", str(path)]) == 2
+    assert main(["compare", str(path), "--force"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("fastppl: error: ") and err.count("\n") == 1 and "wrong type" in err

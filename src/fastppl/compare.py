@@ -76,13 +76,42 @@ def load_run(path: str, label: Optional[str] = None) -> Run:
     if missing or not isinstance(result["config"], dict):
         raise FastpplError(f"{path}: not a fastppl eval report (no {missing[0] if missing else 'config'!r} field); "
                            "pass a file written by fastppl eval --json")
-    numeric = [f for f in ("nll", "ppl", "tokens_scored")
-                if f in result and (isinstance(result[f], bool) or not isinstance(result[f], (int, float)))]
-    data = result["config"].get("data", [])
-    if numeric or not isinstance(data, list):
-        raise FastpplError(f"{path}: not a fastppl eval report ({numeric[0] if numeric else 'config.data'!r} has the "
-                           "wrong type); pass a file written by fastppl eval --json")
+    wrong = _wrongly_typed(result)
+    if wrong:
+        raise FastpplError(f"{path}: not a fastppl eval report ({wrong!r} has the wrong type); pass a file written "
+                           "by fastppl eval --json")
     return Run(path, label or Path(path).stem, result)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# the fields compare reads: a check each (absent optional fields are fine)
+_FIELD_TYPES = {
+    "nll": _is_number, "ppl": _is_number,
+    "tokens_scored": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+    "tokens_per_second": lambda v: v is None or _is_number(v),
+    "bits_per_byte": lambda v: v is None or _is_number(v),
+    "dtype": lambda v: isinstance(v, str),
+    "environment": lambda v: isinstance(v, dict),
+    "per_doc_path": lambda v: v is None or isinstance(v, str),
+    "nll_by_position": lambda v: v is None or (isinstance(v, list) and all(x is None or _is_number(x) for x in v)),
+}
+
+
+def _wrongly_typed(result: dict) -> Optional[str]:
+    """The first field compare reads whose value it could not use, or None."""
+    for field, check in _FIELD_TYPES.items():
+        if field in result and not check(result[field]):
+            return field
+    config = result["config"]
+    data = config.get("data", [])
+    if not (isinstance(data, list) and all(isinstance(d, str) for d in data)):
+        return "config.data"
+    if not isinstance(config.get("model", ""), str) or not isinstance(config.get("split", "all"), str):
+        return "config.model" if not isinstance(config.get("model", ""), str) else "config.split"
+    return None
 
 
 def load_runs(paths: Sequence[str]) -> list[Run]:
