@@ -510,6 +510,18 @@ def test_json_path_with_a_trailing_slash_and_out_of_memory(tmp_path, tokenizer_d
     assert rc == 2 and err.splitlines()[-1].startswith("fastppl: error: out of memory") and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("extra, fragment", [
+    (["--generate", "--corpus", "docs"], "--corpus apply to scoring (bench without --generate) only"),
+    (["--generate", "--loss", "fused", "--tokens", "100"], "--tokens, --loss apply to scoring"),
+    (["--generate", "--compile", "on"], "--compile apply to scoring"),
+    (["--new-tokens", "8"], "--new-tokens apply to bench --generate only"),
+    (["--batch-sizes", "0"], "--batch-sizes apply to bench --generate only"),
+])
+def test_bench_options_of_the_other_kind_are_refused(extra, fragment, capsys):
+    rc, err = _main(capsys, ["bench", "--model", TINY, "--device", "cpu", *extra])   # each was silently ignored
+    assert rc == 2 and err.startswith("fastppl: error: ") and fragment in err and err.count("\n") == 1, err
+
+
 def test_compare_plot_over_an_input_report_is_refused(tmp_path, capsys):
     report = tmp_path / "a.png"          # a report under any name: the plot must not overwrite it
     report.write_text("{}")

@@ -105,7 +105,8 @@ def _config_from_args(args: argparse.Namespace):
     from .config import EvalConfig
     return EvalConfig(
         model=args.model, data=args.data, tokenizer=args.tokenizer, split=args.split,
-        text_field="text" if args.text_field is None else args.text_field, data_dir=args.data_dir, errors=args.errors, window=args.window,
+        text_field="text" if args.text_field is None else args.text_field, data_dir=args.data_dir,
+        errors=args.errors, window=args.window,
         ctx=args.ctx, stride=args.stride, bos=args.bos, batch_size=args.batch_size, device=args.device,
         dtype=args.dtype, backend=args.backend, compile=args.compile, loss=args.loss, kv_cache=args.kv_cache,
         loss_chunk_rows=args.loss_chunk_rows,
@@ -171,11 +172,29 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+# bench options that only one of its two kinds reads, with their defaults: given to the other, they were ignored
+_BENCH_SCORING_ONLY = {"--tokens": ("tokens", 1_048_576), "--naive-tokens": ("naive_tokens", None),
+                       "--loss": ("loss", "auto"), "--variants": ("variants", False), "--nproc": ("nproc", None),
+                       "--tokenizer": ("tokenizer", None), "--corpus": ("corpus", "dense"),
+                       "--documents": ("documents", 10_000), "--compile": ("compile", "auto")}
+_BENCH_GENERATE_ONLY = {"--batch-sizes": ("batch_sizes", "1,64"), "--new-tokens": ("new_tokens", 256),
+                        "--prompt-tokens": ("prompt_tokens", 32)}
+
+
+def _check_bench_options(args: argparse.Namespace) -> None:
+    other = _BENCH_SCORING_ONLY if args.generate else _BENCH_GENERATE_ONLY
+    given = [flag for flag, (dest, default) in other.items() if getattr(args, dest) != default]
+    if given:
+        kind = "scoring (bench without --generate)" if args.generate else "bench --generate"
+        raise FastpplError(f"{', '.join(given)} apply to {kind} only; drop them")
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from .report import check_distinct_outputs
     check_distinct_outputs({"--json": args.json})
     if args.peers is not None and not args.peers.strip(","):
         raise FastpplError("--peers is empty; name at least one peer, or leave --peers out for all of them")
+    _check_bench_options(args)
     if args.generate:
         from .generate import DecodeOptions
         DecodeOptions.from_env()   # a bad FASTPPL_DECODE fails now, not after the models are built
@@ -320,7 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser = sub.add_parser("bench", help="fastppl against its peers on the same weights and tokens")
     bench_parser.add_argument("--model", default="random:gpt2",
                               help="random:<preset>: gpt2[-medium|-large|-xl|-tiny], llama-1b, llama-tiny")
-    bench_parser.add_argument("--tokens", type=_at_least(1), default=1_048_576, help="tokens through each peer")
+    bench_parser.add_argument("--tokens", type=_at_least(1), default=_BENCH_SCORING_ONLY["--tokens"][1],
+                              help="tokens through each peer")
     bench_parser.add_argument("--naive-tokens", type=_at_least(1), help="tokens through the (slow) naive loop")
     bench_parser.add_argument("--seq", "--ctx", type=_at_least(2),
                               help="row length: default 1024 (GPT-2), 2048 (Llama); --corpus docs: ctx")
@@ -337,14 +357,18 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "are drawn from (default: the model's; gpt2 for random:*)")
     bench_parser.add_argument("--generate", action="store_true",
                               help="decode speed: fastppl generate against transformers generate (static, dynamic cache)")
-    bench_parser.add_argument("--batch-sizes", default="1,64", help="--generate: comma-separated batch sizes")
-    bench_parser.add_argument("--new-tokens", type=_at_least(1), default=256, help="--generate: new tokens per row")
-    bench_parser.add_argument("--prompt-tokens", type=_at_least(1), default=32, help="--generate: random prompt tokens per row")
+    bench_parser.add_argument("--batch-sizes", default=_BENCH_GENERATE_ONLY["--batch-sizes"][1],
+                              help="--generate: comma-separated batch sizes")
+    bench_parser.add_argument("--new-tokens", type=_at_least(1), default=_BENCH_GENERATE_ONLY["--new-tokens"][1],
+                              help="--generate: new tokens per row")
+    bench_parser.add_argument("--prompt-tokens", type=_at_least(1), default=_BENCH_GENERATE_ONLY["--prompt-tokens"][1],
+                              help="--generate: random prompt tokens per row")
     bench_parser.add_argument("--json", help="write the report here")
     bench_parser.add_argument("--corpus", default="dense", choices=["dense", "docs"],
                               help="dense: random full rows, fastppl against HF peers; docs: synthetic documents "
                                    "through packed, bucketed, padded and an lm-eval-style baseline")
-    bench_parser.add_argument("--documents", type=_at_least(1), default=10_000, help="--corpus docs: documents")
+    bench_parser.add_argument("--documents", type=_at_least(1), default=_BENCH_SCORING_ONLY["--documents"][1],
+                              help="--corpus docs: documents")
     bench_parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                               help="compile fastppl's scorer (auto: as eval would for this many tokens)")
     bench_parser.add_argument("--quiet", action="store_true")
