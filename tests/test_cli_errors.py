@@ -492,6 +492,8 @@ def test_generate_nan_temperature_and_bench_zero_tokens(tokenizer_dir, capsys):
     (["--top-k", "5"], "--top-k apply to sampling"),                  # ran greedily, ignoring them
     (["--top-p", "0.5", "--seed", "3"], "--top-p, --seed apply to sampling"),
     (["--prompt", "caf\udce9"], "a --prompt is not valid UTF-8 text"),   # argv byte 0xe9: was a TypeError
+    (["--prompts", ""], "--prompts: empty path"),                       # was ignored beside --prompt
+    (["--model", ""], "--model is empty"),                              # was about the tokenizer ''
 ])
 def test_generate_options_that_would_be_ignored_or_crash(extra, fragment, tokenizer_dir, capsys):
     rc, err = _main(capsys, ["generate", "--model", TINY, "--tokenizer", str(tokenizer_dir), "--device", "cpu",

@@ -6,7 +6,7 @@ import torch
 
 from fastppl.cli import main
 from fastppl.errors import FastpplError
-from fastppl.generate import DecodeOptions, Sampling, benchmark_generate, generate, sample
+from fastppl.generate import DecodeOptions, Sampling, benchmark_generate, generate, read_prompts, sample
 from fastppl.models.loading import native_to_hf, random_native
 
 EOS = 50256
@@ -70,6 +70,12 @@ def test_a_tiny_temperature_samples_the_greedy_token_not_nan():
     logits = torch.randn(4, 1000) * 3
     for temperature in (1e-40, 1e-300, 5e-324):   # logits / temperature alone would overflow to inf, softmax to NaN
         assert torch.equal(sample(logits, temperature), logits.argmax(-1))
+
+
+def test_a_prompts_file_with_a_byte_order_mark(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_bytes(b"\xef\xbb\xbffirst\n\nsecond\\nline\n")
+    assert read_prompts(str(path)) == ["first", "second\nline"]   # the mark was part of the first prompt
 
 
 def test_nan_logits_are_an_error_not_token_zero():

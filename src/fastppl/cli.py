@@ -97,7 +97,13 @@ def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", help="draw the loss by window position here (.png, .svg or .pdf; needs fastppl[plot])")
 
 
+def _check_model_given(model: str) -> None:
+    if not model.strip():   # else the tokenizer, loaded first from the model's name, would report it obscurely
+        raise FastpplError("--model is empty; give a checkpoint directory, a hub id or random:<preset>")
+
+
 def _config_from_args(args: argparse.Namespace):
+    _check_model_given(args.model)
     if args.resume is None and (args.checkpoint_seconds is not None or args.checkpoint_batches is not None):
         raise FastpplError("--checkpoint-seconds and --checkpoint-batches apply with --resume only; add --resume DIR")
     if args.text_field is not None and not any(s.startswith("hf:") or Path(s).suffix == ".jsonl" for s in args.data):
@@ -273,12 +279,14 @@ def run_generate(args: argparse.Namespace) -> int:
     from .generate import GenerateConfig, Sampling, generation_summary, read_prompts, run_generate as generate
     from .report import check_distinct_outputs, check_writable, files_in, write_json
 
-    inputs = [*([args.prompts] if args.prompts else []), *files_in(args.model), *files_in(args.tokenizer)]
+    inputs = [*([args.prompts] if args.prompts and args.prompts.strip() else []), *files_in(args.model),
+              *files_in(args.tokenizer)]
     check_distinct_outputs({"--json": args.json}, inputs=inputs)
     if args.json:
         check_writable(args.json, "--json")
     from .generate import DecodeOptions
     DecodeOptions.from_env()   # a bad FASTPPL_DECODE fails now, not after the model is built
+    _check_model_given(args.model)
     sampling_only = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed))
                      if value is not None]
     if sampling_only and args.temperature == 0:
@@ -289,7 +297,7 @@ def run_generate(args: argparse.Namespace) -> int:
             prompt.encode("utf-8")
         except UnicodeEncodeError:   # argv bytes that are not UTF-8 arrive as surrogates
             raise FastpplError("a --prompt is not valid UTF-8 text; pass it in a UTF-8 file with --prompts") from None
-    prompts = list(args.prompt) + (read_prompts(args.prompts) if args.prompts else [])
+    prompts = list(args.prompt) + (read_prompts(args.prompts) if args.prompts is not None else [])
     config = GenerateConfig(
         model=args.model, prompts=prompts, max_new_tokens=args.max_new_tokens, tokenizer=args.tokenizer,
         sampling=Sampling(args.temperature, args.top_k, args.top_p, 0 if args.seed is None else args.seed),

@@ -453,8 +453,10 @@ class GenerateConfig:
 
 def read_prompts(path: str) -> list[str]:
     """One prompt per line; blank lines are skipped; a literal \\n inside a line stands for a newline."""
+    if not path.strip():
+        raise FastpplError("--prompts: empty path; give the file of prompts")
     try:
-        lines = open(path, encoding="utf-8").read().splitlines()
+        lines = open(path, encoding="utf-8-sig").read().splitlines()   # -sig: a byte-order mark is not text
     except OSError as e:
         raise FastpplError(f"--prompts {path}: cannot be read ({e.strerror or e}); check the path") from None
     except UnicodeDecodeError as e:
