@@ -163,6 +163,8 @@ def test_per_doc_files_must_hold_the_same_documents(tmp_path, capsys):
     ('{"id": "x", "tokens": 5}', "b.jsonl:2: no 'nll_sum' field"),
     ('{"id": "x", "tokens": -1, "nll_sum": 1.0}', "'tokens' must be a non-negative integer"),
     ('{"id": "doc:1", "tokens": 5, "nll_sum": 1.0}', "appears twice"),
+    ('{"id": "x", "tokens": 5, "nll_sum": Infinity}', "'nll_sum' must be a finite number"),   # numpy warnings, exit 0
+    ('{"id": "x", "tokens": 5, "nll_sum": 1.0, "bytes": -4}', "'bytes' must be a non-negative integer"),
 ])
 def test_bad_per_doc_lines_are_one_line_errors(tmp_path, capsys, line, message):
     a = write_docs(tmp_path / "a.jsonl", DOCS_A)

@@ -216,8 +216,10 @@ def load_per_doc(path: str) -> list[DocResult]:
         tokens, nll_sum, n_bytes = record["tokens"], record["nll_sum"], record.get("bytes")
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
             raise FastpplError(f"{path}:{number}: 'tokens' must be a non-negative integer, got {tokens!r}")
-        if isinstance(nll_sum, bool) or not isinstance(nll_sum, (int, float)):
-            raise FastpplError(f"{path}:{number}: 'nll_sum' must be a number, got {nll_sum!r}")
+        if isinstance(nll_sum, bool) or not isinstance(nll_sum, (int, float)) or not math.isfinite(nll_sum):
+            raise FastpplError(f"{path}:{number}: 'nll_sum' must be a finite number, got {nll_sum!r}")
+        if n_bytes is not None and (isinstance(n_bytes, bool) or not isinstance(n_bytes, int) or n_bytes < 0):
+            raise FastpplError(f"{path}:{number}: 'bytes' must be a non-negative integer, got {n_bytes!r}")
         doc_id = str(record["id"])
         if doc_id in seen:
             raise FastpplError(f"{path}:{number}: document id {doc_id!r} appears twice; ids must be unique")
