@@ -146,6 +146,26 @@ def test_unsupported_rope_falls_back_to_transformers(tmp_path):
         load_model(str(tmp_path), backend="native")
 
 
+def test_generate_says_an_architecture_without_a_native_model_cannot_generate(tmp_path, tokenizer_dir):
+    """It advised --backend native, which then advised --backend hf, which generate does not take."""
+    from fastppl.generate import GenerateConfig, run_generate
+    hf = _tiny_hf("llama", rope_scaling=dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=64))
+    hf.save_pretrained(tmp_path)
+    with pytest.raises(FastpplError, match="generate runs native models only"):
+        run_generate(GenerateConfig(model=str(tmp_path), prompts=["hi"], max_new_tokens=2, device="cpu",
+                                    tokenizer=str(tokenizer_dir)))
+
+
+def test_checkpoint_holding_more_layers_than_its_config_is_refused(tmp_path):
+    hf = _tiny_hf("qwen2")
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["num_hidden_layers"] -= 1                   # layer 1's weights would be dropped silently
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(FastpplError, match="weights config.json does not use .first: model.layers.1."):
+        load_model(str(tmp_path))
+
+
 def test_checkpoint_missing_a_weight_is_a_user_error(tmp_path):
     from safetensors.torch import load_file, save_file
     hf = _tiny_hf("qwen2")

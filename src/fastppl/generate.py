@@ -478,6 +478,9 @@ def run_generate(config: GenerateConfig) -> dict:
     dtype = resolve_dtype(config.dtype, device)
     tokenizer = load_tokenizer(config.tokenizer or default_tokenizer_name(config.model))
     model = load_model(config.model, config.backend, dtype, config.model_seed)
+    if not supports_kv_cache(model):   # auto fell back to transformers: the architecture has no native model
+        raise FastpplError(f"{config.model}: generate runs native models only (GPT-2 and the Llama family), and this "
+                           "checkpoint's architecture or settings have none; fastppl eval scores it")
     if tokenizer.vocab_size > model.vocab_size:
         raise FastpplError(
             f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size:,} ids but the model's vocabulary has "
