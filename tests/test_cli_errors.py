@@ -253,7 +253,7 @@ def test_corrupt_config_and_missing_weights(tmp_path, checkpoint, text, outputs,
     (lambda c: {**c, "n_head": -2}, "every size must be at least 1"),           # -2 divides 64
     (lambda c: {**c, "n_layer": 0}, "every size must be at least 1"),
     (lambda c: {**c, "layer_norm_epsilon": -1}, "layer_norm_epsilon must be positive"),   # NaN NLL, exit 0 before
-    (lambda c: {**c, "n_layer": 1}, "weights config.json does not use (first: transformer.h.1."),   # layer 1 dropped
+    (lambda c: {**c, "n_layer": 1}, "checkpoint holds layer 1 (transformer.h.1."),   # layer 1 was dropped
 ])
 def test_config_of_the_wrong_types_or_sizes(tmp_path, checkpoint, text, outputs, tokenizer_dir, capsys, change,
                                             fragment):

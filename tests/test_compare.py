@@ -201,6 +201,8 @@ def test_comparison_figures(tmp_path, capsys):
     {**make_result(), "config": {"data": [1, None]}},
     {**make_result(), "tokens_per_second": "fast"},
     {**make_result(), "bits_per_byte": "x"},
+    {**make_result(), "bits_per_byte": None},
+    {**make_result(), "environment": {"device_name": 5}},
     {**make_result(), "environment": "x"},
     {**make_result(), "dtype": {}},
     {**make_result(), "per_doc_path": 5},

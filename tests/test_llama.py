@@ -151,9 +151,11 @@ def test_generate_says_an_architecture_without_a_native_model_cannot_generate(tm
     from fastppl.generate import GenerateConfig, run_generate
     hf = _tiny_hf("llama", rope_scaling=dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=64))
     hf.save_pretrained(tmp_path)
-    with pytest.raises(FastpplError, match="generate runs native models only"):
-        run_generate(GenerateConfig(model=str(tmp_path), prompts=["hi"], max_new_tokens=2, device="cpu",
-                                    tokenizer=str(tokenizer_dir)))
+    for backend in ("auto", "native"):
+        with pytest.raises(FastpplError, match="generate runs native models only") as error:
+            run_generate(GenerateConfig(model=str(tmp_path), prompts=["hi"], max_new_tokens=2, device="cpu",
+                                        tokenizer=str(tokenizer_dir), backend=backend))
+        assert "--backend hf" not in str(error.value)
 
 
 def test_checkpoint_holding_more_layers_than_its_config_is_refused(tmp_path):
@@ -162,8 +164,20 @@ def test_checkpoint_holding_more_layers_than_its_config_is_refused(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     config["num_hidden_layers"] -= 1                   # layer 1's weights would be dropped silently
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(FastpplError, match="weights config.json does not use .first: model.layers.1."):
+    with pytest.raises(FastpplError, match="holds layer 1 .model.layers.1.*config.json has 1 layers"):
         load_model(str(tmp_path))
+
+
+def test_extra_tensors_outside_the_model_are_ignored_as_transformers_ignores_them(tmp_path):
+    """A value head, or Mistral's consolidated.safetensors beside the HF shards (the same weights, other names)."""
+    from safetensors.torch import load_file, save_file
+    hf = _tiny_hf("llama")
+    hf.save_pretrained(tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    save_file({"v_head.summary.weight": torch.ones(1, 8), "layers.0.attention.wq.weight": torch.ones(4, 4)},
+              str(tmp_path / "consolidated.safetensors"))
+    model = load_model(str(tmp_path), backend="native")
+    assert torch.equal(model.embed.weight, state["model.embed_tokens.weight"])
 
 
 def test_checkpoint_missing_a_weight_is_a_user_error(tmp_path):

@@ -412,8 +412,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not (isinstance(e, MemoryError) or is_out_of_memory(e) or "can't allocate memory" in str(e)):
             raise   # a real failure, with its traceback
         # what --batch-size auto does not cover (a fixed batch, bench's batch sizes, generate's prompts)
-        print(f"fastppl: error: out of memory ({first_line(e, 120)}); use a smaller batch or fewer prompts",
-              file=sys.stderr)
+        print(f"fastppl: error: out of memory ({first_line(e, 120)}); use a smaller batch, fewer prompts or a "
+              "smaller model", file=sys.stderr)
         return 2
     except OSError as e:   # a path the checks above did not foresee (too long, unreadable, ...)
         if e.filename is None:

@@ -92,9 +92,9 @@ _FIELD_TYPES = {
     "nll": _is_number, "ppl": _is_number,
     "tokens_scored": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
     "tokens_per_second": lambda v: v is None or _is_number(v),
-    "bits_per_byte": lambda v: v is None or _is_number(v),
+    "bits_per_byte": _is_number,
     "dtype": lambda v: isinstance(v, str),
-    "environment": lambda v: isinstance(v, dict),
+    "environment": lambda v: isinstance(v, dict) and isinstance(v.get("device_name", ""), str),
     "per_doc_path": lambda v: v is None or isinstance(v, str),
     "nll_by_position": lambda v: v is None or (isinstance(v, list) and all(x is None or _is_number(x) for x in v)),
 }

@@ -472,15 +472,20 @@ def run_generate(config: GenerateConfig) -> dict:
     from .data.tokenize import load_tokenizer
     from .engine.precision import resolve_device, resolve_dtype
     from .models import load_model
+    from .models.loading import NoNativeModel
     from .pipeline import _environment, default_tokenizer_name
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     tokenizer = load_tokenizer(config.tokenizer or default_tokenizer_name(config.model))
-    model = load_model(config.model, config.backend, dtype, config.model_seed)
-    if not supports_kv_cache(model):   # auto fell back to transformers: the architecture has no native model
-        raise FastpplError(f"{config.model}: generate runs native models only (GPT-2 and the Llama family), and this "
-                           "checkpoint's architecture or settings have none; fastppl eval scores it")
+    no_native = (f"{config.model}: generate runs native models only (GPT-2 and the Llama family), and this "
+                 "checkpoint's architecture or settings have none")
+    try:
+        model = load_model(config.model, config.backend, dtype, config.model_seed)
+    except NoNativeModel as e:   # its advice, --backend hf, is not a generate option
+        raise FastpplError(f"{no_native} ({e.reason}); fastppl eval scores it") from None
+    if not supports_kv_cache(model):   # auto fell back to transformers
+        raise FastpplError(f"{no_native}; fastppl eval scores it")
     if tokenizer.vocab_size > model.vocab_size:
         raise FastpplError(
             f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size:,} ids but the model's vocabulary has "

@@ -93,7 +93,8 @@ def load_hf_gpt2_state_dict(model: GPT2, hf_state: dict[str, torch.Tensor], sour
             "the file is incomplete or not a GPT-2 checkpoint"
         )
     # the native GPT-2 ties lm_head to wte: a checkpoint's own lm_head must be that same matrix
-    _check_unused(hf_state, set(names.values()), "lm_head.weight", "transformer.wte.weight", source)
+    _check_unused(hf_state, "transformer.h.", model.config.n_layer, "lm_head.weight", "transformer.wte.weight",
+                  source)
     native_params = dict(model.named_parameters())
     with torch.no_grad():
         for native, hf in names.items():
@@ -103,22 +104,24 @@ def load_hf_gpt2_state_dict(model: GPT2, hf_state: dict[str, torch.Tensor], sour
             _copy_checked(native_params[native], tensor, source, hf)
 
 
-def _check_unused(hf_state: dict, used: set, tied_head: str, embedding: str, source: str) -> None:
-    """Refuse a checkpoint with weights the model would drop (a config with fewer layers than the file, or a
-    tied model whose file holds its own, different output matrix): the result would silently be another model's."""
-    unused = sorted(k for k in hf_state if k not in used and not k.endswith("rotary_emb.inv_freq"))
-    if tied_head in unused and embedding in hf_state:
+def _check_unused(hf_state: dict, layer_prefix: str, n_layer: int, tied_head: Optional[str], embedding: str,
+                  source: str) -> None:
+    """Refuse a checkpoint whose weights the model would drop and so silently be another model: layers past
+    the config's n_layer (a config with fewer layers than the file), or, for a tied model, a file's own output
+    matrix that is not the embedding. Other extra tensors (a value head, a second copy of the weights under
+    other names, as Mistral's consolidated.safetensors) are ignored, as transformers ignores them."""
+    layer = re.compile(re.escape(layer_prefix) + r"(\d+)\.")
+    extra = sorted((int(m.group(1)), k) for k in hf_state if (m := layer.match(k)) and int(m.group(1)) >= n_layer)
+    if extra:
+        raise FastpplError(
+            f"{source}: checkpoint holds layer {extra[0][0]} ({extra[0][1]}), but config.json has {n_layer} layers; "
+            "the config does not match the file")
+    if tied_head is not None and tied_head in hf_state and embedding in hf_state:
         head, table = hf_state[tied_head], hf_state[embedding]
-        if head.shape == table.shape and torch.equal(head, table):
-            unused.remove(tied_head)   # the tied matrix, saved twice
-        elif not [k for k in unused if k != tied_head]:
+        if head.shape != table.shape or not torch.equal(head, table):
             raise FastpplError(
                 f"{source}: {tied_head} differs from {embedding}, but config.json ties them (tie_word_embeddings); "
                 "the config does not match the file")
-    if unused:
-        raise FastpplError(
-            f"{source}: checkpoint holds {len(unused)} weights config.json does not use (first: {unused[0]}); "
-            "the config does not match the file (fewer layers than the file has?)")
 
 
 def _copy_checked(target: torch.Tensor, tensor: torch.Tensor, source: str, hf_name: str) -> None:
@@ -276,8 +279,8 @@ def load_hf_llama_state_dict(model: Llama, hf_state: dict[str, torch.Tensor], so
             f"{source}: checkpoint lacks {len(missing)} weights that config.json implies (first: {missing[0]}); "
             "the file is incomplete or its config does not match it"
         )
-    _check_unused(hf_state, {hf for hf_names in names.values() for hf in hf_names}, "lm_head.weight",
-                  "model.embed_tokens.weight", source)
+    _check_unused(hf_state, "model.layers.", model.config.n_layer,
+                  "lm_head.weight" if model.config.tie_word_embeddings else None, "model.embed_tokens.weight", source)
     with torch.no_grad():
         for native, hf_names in names.items():
             tensor = torch.cat([hf_state[hf] for hf in hf_names]) if len(hf_names) > 1 else hf_state[hf_names[0]]

@@ -155,6 +155,14 @@ def _load_hf(directory: Path, dtype: torch.dtype) -> HFCausalLM:
     return HFCausalLM(hf_model)
 
 
+class NoNativeModel(FastpplError):
+    """--backend native for a checkpoint the native models do not implement; reason says why."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 def load_model(spec: str, backend: str = "auto", dtype: torch.dtype = torch.float32, seed: int = 0,
                device: torch.device | str = "cpu") -> nn.Module:
     """A model in eval mode with the engine's interface (hidden states + lm_head). Random weights are
@@ -169,13 +177,13 @@ def load_model(spec: str, backend: str = "auto", dtype: torch.dtype = torch.floa
     model_type = hf_config.get("model_type")
     unsupported = llama_unsupported(hf_config) if model_type in LLAMA_MODEL_TYPES else None
     if backend == "native" and (model_type not in NATIVE_MODEL_TYPES or unsupported):
-        raise FastpplError(
-            f"{spec}: model_type {model_type!r} has no native implementation "
-            f"({unsupported or ', '.join(NATIVE_MODEL_TYPES)}); use --backend hf"
-        )
+        reason = (f"model_type {model_type!r} has no native implementation "
+                  f"({unsupported or ', '.join(NATIVE_MODEL_TYPES)})")
+        raise NoNativeModel(f"{spec}: {reason}; use --backend hf", reason)
     gaps = gpt2_native_gaps(hf_config) if model_type == "gpt2" else []
     if backend == "native" and gaps:
-        raise FastpplError(f"{spec}: the native GPT-2 does not implement {', '.join(gaps)}; use --backend hf")
+        reason = f"the native GPT-2 does not implement {', '.join(gaps)}"
+        raise NoNativeModel(f"{spec}: {reason}; use --backend hf", reason)
     if backend == "hf" or model_type not in NATIVE_MODEL_TYPES or unsupported or gaps:
         return _load_hf(directory, dtype).eval()
     if model_type in LLAMA_MODEL_TYPES:
