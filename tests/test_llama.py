@@ -174,10 +174,27 @@ def test_extra_tensors_outside_the_model_are_ignored_as_transformers_ignores_the
     hf = _tiny_hf("llama")
     hf.save_pretrained(tmp_path)
     state = load_file(str(tmp_path / "model.safetensors"))
-    save_file({"v_head.summary.weight": torch.ones(1, 8), "layers.0.attention.wq.weight": torch.ones(4, 4)},
-              str(tmp_path / "consolidated.safetensors"))
+    extra = {"v_head.summary.weight": torch.ones(1, 8), "layers.0.attention.wq.weight": torch.ones(4, 4)}
+    save_file({**state, **extra}, str(tmp_path / "model.safetensors"))
     model = load_model(str(tmp_path), backend="native")
     assert torch.equal(model.embed.weight, state["model.embed_tokens.weight"])
+    # beside the HF file, a second copy under other names is not even read (it would double the memory)
+    (tmp_path / "consolidated.safetensors").write_bytes(b"not safetensors")
+    assert torch.equal(load_model(str(tmp_path), backend="native").embed.weight, state["model.embed_tokens.weight"])
+
+
+def test_sharded_checkpoints_read_the_files_their_index_names(tmp_path):
+    hf = _tiny_hf("qwen2")
+    hf.save_pretrained(tmp_path, max_shard_size="20KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    (tmp_path / "consolidated.safetensors").write_bytes(b"junk")   # not in the index: not read
+    reference = load_model(str(tmp_path), backend="native")
+    assert torch.equal(reference.embed.weight, hf.model.embed_tokens.weight)
+    (tmp_path / shards[-1]).unlink()
+    with pytest.raises(FastpplError, match=f"names {shards[-1]}, which is missing"):
+        load_model(str(tmp_path), backend="native")
 
 
 def test_checkpoint_missing_a_weight_is_a_user_error(tmp_path):

@@ -105,8 +105,8 @@ def _read_config(directory: Path) -> dict:
 
 def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     """model.safetensors (or shards), else pytorch_model.bin; a corrupt file is a one-line error."""
-    safetensors_files = sorted(directory.glob("*.safetensors"))
-    bin_files = sorted(directory.glob("pytorch_model*.bin"))
+    safetensors_files = _weight_files(directory, "model.safetensors", "*.safetensors")
+    bin_files = _weight_files(directory, "pytorch_model.bin", "pytorch_model*.bin")
     if not safetensors_files and not bin_files:
         raise FastpplError(f"{directory}: holds no model.safetensors or pytorch_model.bin; pass a checkpoint directory that has its weights")
     state: dict[str, torch.Tensor] = {}
@@ -123,6 +123,26 @@ def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
                 "download it again"
             ) from None
     return state
+
+
+def _weight_files(directory: Path, single: str, pattern: str) -> list[Path]:
+    """The files transformers would read: those an index names (single + ".index.json"), else the single file,
+    else every file of the pattern. Not a glob first: a repo may hold a second copy of the weights under other
+    names (Mistral's consolidated.safetensors), which would double the memory."""
+    index = directory / (single + ".index.json")
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise FastpplError(
+                f"{index}: not a weight index (no weight_map of files); the checkpoint is corrupt") from None
+        missing = [n for n in names if not (directory / n).is_file()]
+        if missing:
+            raise FastpplError(f"{index}: names {missing[0]}, which is missing; download the checkpoint again")
+        return [directory / n for n in names]
+    if (directory / single).is_file():
+        return [directory / single]
+    return sorted(directory.glob(pattern))
 
 
 def _load_hf(directory: Path, dtype: torch.dtype) -> HFCausalLM:
