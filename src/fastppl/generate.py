@@ -410,11 +410,11 @@ def _choose_decode_step(model: nn.Module, device: torch.device, compile: bool, d
         return "torch.compile", False
     if not decode.fused:
         return f"torch.compile, CUDA graphs ({DECODE_ENV} fused=0)", False
-    from .accel.fused_decode import dependent_launch_supported, fused_decode_unsupported
+    from .accel.fused_decode import fused_decode_unsupported, uses_dependent_launch
     reason = fused_decode_unsupported(model, sampling.temperature, batch)
     if reason is not None:
         return f"torch.compile, CUDA graphs ({reason})", False
-    dependent = ", dependent launches" if decode.dependent_launch and dependent_launch_supported(device) else ""
+    dependent = ", dependent launches" if uses_dependent_launch(decode.dependent_launch, device) else ""
     return f"fused Triton kernels, one CUDA graph per token{dependent}", True
 
 

@@ -277,6 +277,11 @@ def dependent_launch_supported(device: torch.device) -> bool:
     return "launch_pdl" in CUDAOptions.__dataclass_fields__ and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def uses_dependent_launch(requested: Optional[bool], device: torch.device) -> bool:
+    """Whether a decoder asked for dependent launches (None: DEPENDENT_LAUNCH) gets them on this device."""
+    return (DEPENDENT_LAUNCH if requested is None else requested) and dependent_launch_supported(device)
+
+
 def _next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -331,9 +336,7 @@ class FusedGPT2Decoder:
         self.device = device
         self.use_graph = device.type == "cuda" if use_graph is None else use_graph
         self.graph = None
-        if dependent_launch is None:
-            dependent_launch = DEPENDENT_LAUNCH
-        self.dependent_launch = dependent_launch and dependent_launch_supported(device)
+        self.dependent_launch = uses_dependent_launch(dependent_launch, device)
         # each kernel's GDC (its wait) and launch_pdl (may start early) go together
         self.dependent = dict(GDC=True, launch_pdl=True) if self.dependent_launch else {}
 
@@ -451,11 +454,9 @@ def _addresses(model: GPT2) -> tuple:
 def fused_decoder(model: GPT2, dependent_launch: Optional[bool] = None) -> FusedGPT2Decoder:
     """The decoder of the model's attached cache, built on first use and reused while the weights and
     caches stay where its graph reads them (and the launch mode is the one asked for; None: DEPENDENT_LAUNCH)."""
-    if dependent_launch is None:
-        dependent_launch = DEPENDENT_LAUNCH
     cache = model.blocks[0].attn.kv_cache
     decoder = _decoders.get(cache)
     if (decoder is None or decoder.model_ref() is not model or decoder.addresses != _addresses(model)
-            or decoder.dependent_launch != (dependent_launch and dependent_launch_supported(cache.k.device))):
+            or decoder.dependent_launch != uses_dependent_launch(dependent_launch, cache.k.device)):
         decoder = _decoders[cache] = FusedGPT2Decoder(model, dependent_launch=dependent_launch)
     return decoder
