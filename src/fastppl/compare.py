@@ -109,8 +109,9 @@ def _wrongly_typed(result: dict) -> Optional[str]:
     data = config.get("data", [])
     if not (isinstance(data, list) and all(isinstance(d, str) for d in data)):
         return "config.data"
-    if not isinstance(config.get("model", ""), str) or not isinstance(config.get("split", "all"), str):
-        return "config.model" if not isinstance(config.get("model", ""), str) else "config.split"
+    for field in ("model", "split"):
+        if not isinstance(config.get(field, ""), str):
+            return f"config.{field}"
     return None
 
 

@@ -318,8 +318,8 @@ def generate(
     at eos_id. The model stays on its device; compile defaults to on for CUDA, off otherwise; decode
     defaults to DecodeOptions.from_env()."""
     if not supports_kv_cache(model):
-        raise FastpplError(f"{type(model).__name__} has no KV cache support; generate needs a native model "
-                           "(--backend native)")
+        raise FastpplError(f"{type(model).__name__} has no KV cache support; generate runs native models only "
+                           "(GPT-2 and the Llama family)")
     if max_new_tokens < 1:
         raise FastpplError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     if not prompts or any(len(p) == 0 for p in prompts):
