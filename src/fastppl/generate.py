@@ -46,7 +46,7 @@ class DecodeOptions:
     `fused` and `dependent_launch` apply to the fused step, the others to the compiled step, which fused=False
     selects where the fused one could run."""
     fused: bool = True               # Triton decode step (fastppl.accel.fused_decode) where it supports the model
-    attention: str = "sdpa"          # masked_attention's kernel: sdpa, matmul or reduction
+    attention: str = "sdpa"          # masked_attention's kernel: sdpa, matmul, reduction or split_kv
     additive_mask: bool = False      # the mask as a float 0 / -inf tensor, built once a step, not bool
     # index_copy: every row writes the same slot (index_copy_); per_row: each row its own (index_put_)
     cache_write: str = "index_copy"
