@@ -88,8 +88,13 @@ def main():
         ("split_kv + attend_bucket=64", DecodeOptions(attention="split_kv", attend_bucket=64), {}),
         ("split_kv + Inductor enable_pdl", split, dict(pdl=True)),
     ]
+    # ATTN_QUICK=1: one round of the four main variants (a call short of device time)
+    quick = os.environ.get("ATTN_QUICK") == "1"
+    if quick:
+        variants = [v for v in variants if v[0] in ("default (SDPA: cuDNN)", "split_kv", "default + attend_bucket=64",
+                                                     "split_kv + attend_bucket=64")]
     rows = {}
-    for _ in range(2):
+    for _ in range(1 if quick else 2):
         for name, decode, kwargs in variants:
             result = timed(name, decode, **kwargs)
             if result is not None:
