@@ -93,7 +93,7 @@ def test_grouped_masked_attention_equals_expanded_heads(T, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kernel", ["sdpa", "matmul", "reduction", "split_kv"])
+@pytest.mark.parametrize("kernel", ["sdpa", "matmul", "reduction"])
 @pytest.mark.parametrize("nkv", [8, 2])
 def test_masked_attention_kernels_masks_and_truncation_agree(kernel, nkv, device):
     """Every kernel, with a bool or an additive mask, over the whole cache or only its first L' slots
@@ -107,41 +107,8 @@ def test_masked_attention_kernels_masks_and_truncation_agree(kernel, nkv, device
     full = torch.cat([mask, torch.zeros(3, 1, 1, 5, dtype=torch.bool, device=device)], dim=-1)   # (B, 1, 1, 12)
     expected = masked_attention(q, k, v, full)
     additive = torch.zeros(mask.shape, device=device).masked_fill(~mask, float("-inf"))
-    from fastppl.accel import decode_attention as D
-    calls = []
-    with pytest.MonkeyPatch.context() as patch:   # split_kv must run its kernel (not SDPA) for the bool masks
-        if D.triton is not None:
-            kernel_op = D.split_kv_attention
-            patch.setattr(D, "split_kv_attention", lambda *args: calls.append(1) or kernel_op(*args))
-        for m in (full, mask, additive):
-            torch.testing.assert_close(masked_attention(q, k, v, m, kernel), expected, rtol=1e-5, atol=1e-6)
-    if kernel == "split_kv" and D.split_kv_supported(torch.device(device)):
-        assert len(calls) == 2        # the two bool masks; the additive one falls back to SDPA
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("nh, nkv", [(12, 12), (8, 2), (6, 3)])
-def test_split_kv_kernel_over_several_chunks_equals_sdpa(nh, nkv, device):
-    """The split-KV kernel with 4-slot chunks (some wholly masked, the last one ragged), grouped heads (a group
-    of 3 padded to 4), in fp32 and bf16, against SDPA in fp32 on the same values. Tolerances: fp32 1e-5
-    (summation order); bf16 2e-2 (the output's rounding, values ~1)."""
-    from fastppl.accel import decode_attention as D
-    if not D.split_kv_supported(torch.device(device)):
-        pytest.skip("needs Triton, and CUDA or TRITON_INTERPRET=1")
-    generator = torch.Generator().manual_seed(nh + nkv)
-    B, L, used, hs = 3, 24, 19, 16
-    q = torch.randn(B, nh, 1, hs, generator=generator)
-    k, v = (torch.randn(B, nkv, L, hs, generator=generator) for _ in range(2))
-    allowed = torch.rand(B, used, generator=generator) > 0.5
-    allowed[:, 4:8] = False                 # a chunk no query sees
-    allowed[:, used - 1] = True             # each query sees its own slot
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        q, k[:, :, :used].repeat_interleave(nh // nkv, dim=1), v[:, :, :used].repeat_interleave(nh // nkv, dim=1),
-        attn_mask=allowed[:, None, None, :])
-    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        got = D.split_kv_attention(*(t.to(device, dtype) for t in (q, k, v)), allowed.to(device, torch.uint8), 4)
-        assert got.dtype == dtype and got.shape == q.shape
-        torch.testing.assert_close(got.float().cpu(), expected, rtol=0, atol=tolerance)
+    for m in (full, mask, additive):
+        torch.testing.assert_close(masked_attention(q, k, v, m, kernel), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_cache_writes_per_row_and_shared_equal_scatter():

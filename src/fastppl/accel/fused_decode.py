@@ -47,9 +47,9 @@ TILE_ELEMENTS = 8192
 NUM_WARPS = 4
 CHUNK = 32      # cache slots per attention program (32-128 within 2 % at batch 1; 256 13 % slower)
 # each kernel launched with programmatic dependent launch where the GPU has it (compute capability 9+): it
-# starts, and loads its weights, while the kernel before it finishes (_wait_for_previous_kernel). Off until it is
-# measured on a GPU (written in session 15, when no device time was left; scripts/gpu_decode_pdl.py measures it)
-DEPENDENT_LAUNCH = False
+# starts, and loads its weights, while the kernel before it finishes (_wait_for_previous_kernel): -16 % a step at
+# batch 1 on an H100 (scripts/gpu_decode_pdl.py, docs/BENCHMARKS.md session 16)
+DEPENDENT_LAUNCH = True
 
 # prologues (how the K row is read) and epilogues (what is done with the (rows, cols) result)
 PLAIN, LAYER_NORM = 0, 1

@@ -152,7 +152,7 @@ def varlen_document_attention(
 
 # ---- the KV-cache path and FlexAttention -------------------------------------------------------------
 
-MASKED_ATTENTION = ("sdpa", "matmul", "reduction", "split_kv")   # the kernels masked_attention can use
+MASKED_ATTENTION = ("sdpa", "matmul", "reduction")   # the kernels masked_attention can use
 
 
 def masked_attention(
@@ -169,15 +169,8 @@ def masked_attention(
     kernel: "sdpa" calls SDPA's fused kernels; "matmul" writes it as two matmuls around an fp32 softmax, and
     "reduction" as broadcast products summed in fp32, so that a compiler can fuse mask, scale and softmax
     (both are meant for a decode step's single query: "reduction" materialises (B, nkv, g*T, L', hs)
-    when run eagerly); "split_kv" is fastppl.accel.decode_attention's Triton kernel for a single query under
-    a bool mask, and "sdpa" wherever that kernel cannot run."""
+    when run eagerly)."""
     B, nh, T, hs = q.shape
-    if kernel == "split_kv":
-        from ..accel.decode_attention import decode_attention, split_kv_supported   # Triton only when asked
-        if (T == 1 and mask.dtype == torch.bool and hs & (hs - 1) == 0 and k.stride() == v.stride()
-                and k.stride(-1) == 1 and split_kv_supported(q.device)):
-            return decode_attention(q, k, v, mask)
-        kernel = "sdpa"
     nkv = k.shape[1]
     L = mask.shape[-1]
     if L < k.shape[2]:
