@@ -277,10 +277,52 @@ def test_fused_step_is_refused_for_sampling_large_batches_and_other_models():
     assert "GPT-2" in fused_decode.fused_decode_unsupported(llama, temperature=0.0)
 
 
+def _forced_fused_step(model, device, compile, *args):
+    """generate()'s choice of decode step with the fused one forced where it would not be chosen (the CPU under
+    the interpreter), when compiling; the eager step otherwise (the reference)."""
+    return ("fused (forced)", True) if compile else ("eager", False)
+
+
+def test_a_failed_dependent_launch_falls_back_to_plain_launches(monkeypatch):
+    """A driver or toolchain without dependent launches fails the first launch: here a step that runs all its
+    kernels (advancing the token, the position and the history) and then raises. The step is redone plainly
+    from the state before it, with one warning; the tokens are the eager step's, the report does not claim
+    dependent launches, and later decoders in the process launch plainly without trying again."""
+    monkeypatch.setattr(fused_decode, "_dependent_launch_failure", [])
+    monkeypatch.setattr(fused_decode, "dependent_launch_supported",
+                        lambda device: not fused_decode._dependent_launch_failure)
+    plain_launch = fused_decode.FusedGPT2Decoder._launch_step
+    attempts = []
+
+    def failing_launch(self):
+        if self.dependent:
+            attempts.append(1)
+            dependent, self.dependent = self.dependent, {}
+            plain_launch(self)              # the kernels run and advance the state...
+            self.dependent = dependent
+            raise RuntimeError("CUDA driver error: invalid argument")   # ...and then the launch fails
+        plain_launch(self)
+
+    monkeypatch.setattr(fused_decode.FusedGPT2Decoder, "_launch_step", failing_launch)
+    monkeypatch.setattr(G, "_choose_decode_step", _forced_fused_step)
+    model = sharp_model(TINY)
+    prompts = prompts_of([6, 2], TINY.vocab_size, seed=7)
+    expected = G.generate(model, prompts, 8, compile=False).tokens
+    with pytest.warns(RuntimeWarning, match="dependent launches failed .*invalid argument"):
+        got = G.generate(model, prompts, 8, compile=True)
+    assert got.tokens == expected and got.decode_step == "fused (forced)"
+    assert len(attempts) == 1 and fused_decode._dependent_launch_failure
+    decoder = fused_decode._decoders[model.blocks[0].attn.kv_cache]
+    # the failed step's effects were undone: the step was taken once, not twice
+    assert not decoder.dependent_launch and int(decoder.pos) == decoder.prompt_len + decoder.steps_taken
+    setup_kv_cache(model, len(prompts), 64)   # a new cache: a new decoder, which does not try again
+    assert G.generate(model, prompts, 8, compile=True).tokens == expected and len(attempts) == 1
+
+
 def test_generate_loop_with_the_fused_step_gives_the_eager_tokens_and_stops(monkeypatch):
     """generate()'s own loop around the fused step (warm-up timing, stop checks, token history), forced on
     where it would not be chosen (the CPU under the interpreter), against the eager step."""
-    monkeypatch.setattr(G, "_choose_decode_step", lambda *args: ("fused (forced)", True))
+    monkeypatch.setattr(G, "_choose_decode_step", _forced_fused_step)
     model = sharp_model(TINY)
     prompts = prompts_of([6, 2], TINY.vocab_size, seed=7)
     free = G.generate(model, prompts, 8, compile=False).tokens

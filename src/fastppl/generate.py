@@ -387,6 +387,8 @@ def generate(
             break
     _synchronize(device)
     decode_seconds = time.perf_counter() - decode_started
+    if fused and decoder.dependent_launch:   # known once the first step launched (it falls back if they fail)
+        decode_step += ", dependent launches"
 
     new_tokens = (decoder.new_tokens(steps) if fused else torch.stack(outputs, dim=1)).cpu().tolist()  # (B, steps + 1)
     tokens, stopped = [], []
@@ -411,12 +413,11 @@ def _choose_decode_step(model: nn.Module, device: torch.device, compile: bool, d
         return "torch.compile", False
     if not decode.fused:
         return f"torch.compile, CUDA graphs ({DECODE_ENV} fused=0)", False
-    from .accel.fused_decode import fused_decode_unsupported, uses_dependent_launch
+    from .accel.fused_decode import fused_decode_unsupported
     reason = fused_decode_unsupported(model, sampling.temperature, batch)
     if reason is not None:
         return f"torch.compile, CUDA graphs ({reason})", False
-    dependent = ", dependent launches" if uses_dependent_launch(decode.dependent_launch, device) else ""
-    return f"fused Triton kernels, one CUDA graph per token{dependent}", True
+    return "fused Triton kernels, one CUDA graph per token", True   # generate adds whether launches were dependent
 
 
 def benchmark_generate(model: nn.Module, batch_size: int = 1, prompt_length: int = 16, new_tokens: int = 256,

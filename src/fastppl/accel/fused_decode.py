@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 import weakref
 from typing import Optional
 
@@ -263,10 +264,16 @@ def fused_decode_unsupported(model: nn.Module, temperature: float, batch: int = 
     return None
 
 
+# the error of the first launch with dependent launches that failed in this process, if one did: from then on
+# every decoder launches plainly (FusedGPT2Decoder._launch_first_step)
+_dependent_launch_failure: list[str] = []
+
+
 def dependent_launch_supported(device: torch.device) -> bool:
     """Programmatic dependent launch: NVIDIA compute capability 9+, a Triton that has it (3.4+: gdc_wait and the
-    launch_pdl option), not Triton's interpreter, not ROCm."""
-    if device.type != "cuda" or torch.version.hip is not None or os.environ.get("TRITON_INTERPRET") == "1":
+    launch_pdl option), not Triton's interpreter, not ROCm, and no failed launch with it in this process."""
+    if (device.type != "cuda" or torch.version.hip is not None or os.environ.get("TRITON_INTERPRET") == "1"
+            or _dependent_launch_failure):
         return False
     if triton is None or not hasattr(tl.extra.cuda, "gdc_wait"):
         return False
@@ -336,6 +343,7 @@ class FusedGPT2Decoder:
         self.device = device
         self.use_graph = device.type == "cuda" if use_graph is None else use_graph
         self.graph = None
+        self.launched = False   # whether a step has been launched (the first one compiles; _launch_first_step)
         self.dependent_launch = uses_dependent_launch(dependent_launch, device)
         # each kernel's GDC (its wait) and launch_pdl (may start early) go together
         self.dependent = dict(GDC=True, launch_pdl=True) if self.dependent_launch else {}
@@ -408,12 +416,43 @@ class FusedGPT2Decoder:
             raise RuntimeError(f"decode step {self.steps_taken + 1} would write past the {self.cache_len}-slot cache")
         self.steps_taken += 1
         if not self.use_graph:
-            self._launch_step()
+            if self.launched:
+                self._launch_step()
+            else:
+                self._launch_first_step()
             return
         with torch.cuda.device(self.device):   # Triton and graph capture use the current device
             if self.graph is None:
                 self.graph = self._capture()
             self.graph.replay()
+
+    def _launch_first_step(self) -> None:
+        """The decoder's first launch, which compiles the kernels. Dependent launches also need a driver and
+        a CUDA toolchain that have them, which the checks before cannot see: if this launch fails with them,
+        it is redone with plain launches, and so is every later decoder in this process (with one warning)."""
+        if not self.dependent_launch:
+            self._launch_step()
+            self.launched = True
+            return
+        state = (self.token, self.finished, self.pos, self.history)
+        saved = [t.clone() for t in state]
+        try:
+            self._launch_step()
+        except Exception as error:   # noqa: BLE001: whatever the toolchain raises
+            dependent, self.dependent = self.dependent, {}
+            for buffer, value in zip(state, saved):   # kernels that ran before the failure advanced nothing else
+                buffer.copy_(value)                   # the cache slot they wrote is written again, identically
+            try:
+                self._launch_step()
+            except Exception:
+                self.dependent = dependent   # plain launches fail too: the error is not the dependent launches'
+                raise
+            message = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
+            _dependent_launch_failure.append(message)
+            warnings.warn(f"the fused decode step's dependent launches failed ({message}); it launches its kernels "
+                          "one after the other from now on", RuntimeWarning)
+            self.dependent_launch = False
+        self.launched = True
 
     def _capture(self) -> "torch.cuda.CUDAGraph":
         # a first eager step compiles the kernels (Triton JIT) outside the capture; the state it advanced
@@ -423,7 +462,7 @@ class FusedGPT2Decoder:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._launch_step()
+            self._launch_first_step()
         torch.cuda.current_stream().wait_stream(side)
         for buffer, value in zip(state, saved):
             buffer.copy_(value)
