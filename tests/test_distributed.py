@@ -1,6 +1,7 @@
-"""Data-parallel evaluation: the pure parts (shard, environment, --nproc) and, with 2 CPU processes on
+"""Data-parallel evaluation: the pure parts (shard_plans, environment, --nproc) and, with 2 CPU processes on
 gloo, the reference test (two ranks = one process) and the failure protocol."""
 import json
+from dataclasses import dataclass
 import os
 import socket
 import subprocess
@@ -12,9 +13,7 @@ import numpy as np
 import pytest
 
 from fastppl.cli import main
-from fastppl.data.batching import WindowRef
-from fastppl.data.windows import Window, chunked_windows
-from fastppl.distributed import (LaunchEnv, launch_env, rank_device, shard, shard_assignment, timeout_seconds,
+from fastppl.distributed import (LaunchEnv, launch_env, rank_device, shard_plans, timeout_seconds,
                                  torchrun_command, without_nproc)
 from fastppl.errors import FastpplError
 
@@ -33,47 +32,47 @@ DOCS = [
 
 
 # ---------------------------------------------------------------------------------------------------------
-# shard (pure)
+# shard_plans (pure)
 
-def _refs(lengths):
-    return [WindowRef(doc=i, window=Window(start=0, length=n, score_from=0)) for i, n in enumerate(lengths)]
+@dataclass(frozen=True)
+class Plan:        # what shard_plans reads of a planned batch
+    n_rows: int
+    seq_len: int
+    name: int = 0
 
 
-@pytest.mark.parametrize("lengths, world", [
-    ([64] * 13 + [7], 2),                 # one long document: does not divide evenly
-    ([64] * 13 + [7], 3),
-    ([5, 40, 3, 64, 64, 17, 1, 30, 22, 64, 9], 4),
-    ([64, 12], 5),                        # more ranks than windows
+def _plans(shapes):
+    return [Plan(rows, seq, i) for i, (rows, seq) in enumerate(shapes)]
+
+
+@pytest.mark.parametrize("shapes, world", [
+    ([(8, 64)] * 13 + [(3, 64)], 2),                            # does not divide evenly
+    ([(8, 64)] * 13 + [(3, 64)], 3),
+    ([(8, 1024), (8, 512), (16, 128), (8, 128), (2, 64), (1, 64), (8, 32)], 4),   # bucketed: shapes differ
+    ([(8, 64), (2, 64)], 5),                                    # more ranks than batches
     ([], 3),
 ])
-def test_shard_partitions_the_windows_and_balances_tokens(lengths, world):
-    refs = _refs(lengths)
-    shares = [shard(refs, rank, world) for rank in range(world)]
-    seen = [ref for share in shares for ref in share]
-    assert sorted(r.doc for r in seen) == list(range(len(refs)))          # each window exactly once
-    for share in shares:                                                   # input order kept
-        assert [r.doc for r in share] == sorted(r.doc for r in share)
-    loads = [sum(r.window.length for r in share) for share in shares]
-    if refs:
-        assert max(loads) - min(loads) <= max(lengths)
-    if len(refs) < world:
-        assert sum(1 for share in shares if not share) == world - len(refs)
+def test_shard_plans_partitions_the_batches_and_balances_padded_tokens(shapes, world):
+    plans = _plans(shapes)
+    shares = [shard_plans(plans, rank, world) for rank in range(world)]
+    assert sorted(p.name for share in shares for p in share) == list(range(len(plans)))   # each batch exactly once
+    for share in shares:                                                                # planned order kept
+        assert [p.name for p in share] == sorted(p.name for p in share)
+    loads = [sum(p.n_rows * p.seq_len for p in share) for share in shares]
+    if plans:   # greedy onto the lightest: no rank exceeds the lightest by more than the largest batch
+        assert max(loads) - min(loads) <= max(p.n_rows * p.seq_len for p in plans)
+    if len(plans) < world:
+        assert sum(1 for share in shares if not share) == world - len(plans)
 
 
-def test_shard_is_deterministic_and_the_identity_on_one_rank():
-    refs = _refs([64, 3, 64, 64, 20, 20, 1])
-    assert shard(refs, 0, 1) == refs
-    assert shard_assignment(refs, 3) == shard_assignment(list(refs), 3)
-    # full windows alternate, so that padded batches are balanced as well as tokens
-    full = _refs([64] * 8)
-    assert [len(shard(full, rank, 2)) for rank in range(2)] == [4, 4]
-
-
-def test_shard_golden():
-    # longest first onto the lightest rank; ties: fewer windows, then lower rank
-    refs = _refs([10, 30, 20, 30, 5])
-    assert shard_assignment(refs, 2) == [1, 0, 0, 1, 1]
-    assert shard_assignment([WindowRef(0, w) for w in chunked_windows(10, 4)], 2) == [0, 1, 0]
+def test_shard_plans_is_the_identity_on_one_rank_and_golden():
+    plans = _plans([(8, 64), (8, 64), (8, 64), (4, 64), (2, 64)])
+    assert shard_plans(plans, 0, 1) == plans
+    # onto the rank with the fewest padded tokens so far; ties to the lower rank
+    assert [p.name for p in shard_plans(plans, 0, 2)] == [0, 2]
+    assert [p.name for p in shard_plans(plans, 1, 2)] == [1, 3, 4]
+    with pytest.raises(AssertionError):
+        shard_plans(plans, 2, 2)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -54,17 +54,25 @@ def _native_nll(ids: list[int]) -> np.ndarray:
                                                  ("sliding", 13, True)])
 def test_batch_size_invariance(tokenizer_dir, text_path, window, stride, bos):
     results = [_run(tokenizer_dir, [text_path], window=window, stride=stride, bos=bos, batch_size=b)
-               for b in (1, 3, 8)]
+               for b in (1, 5, 11)]
     first = results[0]
-    assert first["windows"] > 8   # several batches, and a ragged last one, at every batch size
+    assert first["windows"] > 11 and first["windows"] % 5 and first["windows"] % 11   # ragged last batches
+    for b, result in zip((1, 5, 11), results):   # the batch size took effect
+        assert result["batch_size"] == b and result["batches"] == -(-result["windows"] // b)
     for other in results[1:]:
         assert other["tokens_scored"] == first["tokens_scored"]
         assert other["nll_sum"] == pytest.approx(first["nll_sum"], rel=1e-6)
 
 
-def test_loss_chunk_rows_do_not_change_the_result(tokenizer_dir, text_path):
+def test_loss_chunk_rows_do_not_change_the_result(tokenizer_dir, text_path, monkeypatch):
+    import fastppl.pipeline as pipeline
+    chunk_rows = []   # what the scorer was built with: the option must reach it
+    build = pipeline.make_score_fn
+    monkeypatch.setattr(pipeline, "make_score_fn", lambda model, rows, *a, **k: chunk_rows.append(rows)
+                        or build(model, rows, *a, **k))
     whole = _run(tokenizer_dir, [text_path], batch_size=4, loss_chunk_rows=8192)
     chunked = _run(tokenizer_dir, [text_path], batch_size=4, loss_chunk_rows=45)
+    assert chunk_rows == [8192, 45]
     assert chunked["nll_sum"] == pytest.approx(whole["nll_sum"], rel=1e-6)
 
 

@@ -7,7 +7,8 @@ What each rank does:
      validates the same input in the same order and a bad input raises the same FastpplError everywhere,
      before any collective; `tokens_scored`, bytes and every other corpus count come out identical on all
      ranks, so only the sums of the scoring need reducing;
-  2. scores only its share of the windows: `shard(windows, rank, world_size)`, balanced by tokens read;
+  2. scores only its share of the planned batches, `shard_plans(plans, rank, world_size)`, balanced by
+     padded tokens (the batches are one process's, so per-token values do not depend on the ranks);
   3. all-reduces, once at the end, the float64 sums (nll_sum, the per-position sums and counts) and the
      per-token buffer (each rank fills only the slots it scored, NaN elsewhere; a MIN reduction with NaN
      read as +inf merges them exactly, so per-token values are bit-identical to one process).
@@ -30,7 +31,6 @@ import dataclasses
 
 import atexit
 import functools
-import heapq
 import os
 import signal
 import subprocess
@@ -43,7 +43,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .data.batching import Batch, WindowRef
+from .data.batching import Batch
 from .engine.precision import resolve_device
 from .engine.score import DeviceSums
 from .errors import FastpplError
@@ -67,25 +67,6 @@ class PeerFailed(FastpplError):
 # ---------------------------------------------------------------------------------------------------------
 # sharding (pure)
 
-def shard_assignment(window_refs: Sequence[WindowRef], world_size: int) -> list[int]:
-    """Rank of each window: greedy longest-first onto the rank that has read the fewest tokens so far.
-
-    Deterministic (ties go to the rank with fewer windows, then the lower rank) and balanced: no rank
-    reads more than the lightest one plus one window's length. The cost of a window is the tokens it
-    reads (`length`), which is what the forward pass costs with packed rows; with padded rows it is
-    the number of windows, and that is balanced too when most windows are full-length (all but the last
-    of each document)."""
-    assert world_size >= 1
-    order = sorted(range(len(window_refs)), key=lambda i: (-window_refs[i].window.length, i))
-    lightest = [(0, 0, rank) for rank in range(world_size)]    # (tokens read, windows, rank), a heap
-    owner = [0] * len(window_refs)
-    for i in order:
-        tokens, n_windows, rank = heapq.heappop(lightest)
-        owner[i] = rank
-        heapq.heappush(lightest, (tokens + window_refs[i].window.length, n_windows + 1, rank))
-    return owner
-
-
 def shard_plans(plans: Sequence, rank: int, world_size: int) -> list:
     """The planned batches `rank` scores: greedily, each batch (largest first, as planned) onto the rank
     with the fewest padded tokens so far; ties to the lower rank. Every rank computes the same split, and
@@ -99,13 +80,6 @@ def shard_plans(plans: Sequence, rank: int, world_size: int) -> list:
         if owner == rank:
             mine.append(plan)
     return mine
-
-
-def shard(window_refs: Sequence[WindowRef], rank: int, world_size: int) -> list[WindowRef]:
-    """The windows `rank` scores, in their input order. Over all ranks the shares partition the input."""
-    assert 0 <= rank < world_size
-    owner = shard_assignment(window_refs, world_size)
-    return [ref for ref, r in zip(window_refs, owner) if r == rank]
 
 
 # ---------------------------------------------------------------------------------------------------------
