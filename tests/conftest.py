@@ -50,3 +50,34 @@ def tiny_trained_checkpoint(tmp_path_factory, tokenizer_dir, shakespeare) -> Pat
         mp.setenv("HF_HUB_OFFLINE", "1")
         return train_tiny.train_tiny(tmp_path_factory.mktemp("tiny-trained"), steps=30, seed=0,
                                      data=shakespeare, tokenizer=tokenizer_dir)
+
+
+@pytest.fixture
+def sharpened_random_models(monkeypatch):
+    """random:<preset> models (fastppl.models.loading.random_native, which the bench builds from) with weights
+    well above the 0.02 init (norms kept), so that predictions are far from uniform: with near-uniform ones
+    every token's NLL is ~ln V whichever token is scored, and a scoring error would not show. Returns the
+    patched random_native (the same weights for the same preset and seed)."""
+    import fastppl.models.loading as loading
+    unsharp = loading.random_native
+
+    def sharpened(*args, **kwargs):
+        model = unsharp(*args, **kwargs)
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" not in name and "ln" not in name:
+                    p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+        return model
+
+    monkeypatch.setattr(loading, "random_native", sharpened)
+    return sharpened
+
+
+def hf_reference_nll(model, rows):
+    """(n, T) fp32 NLL of rows[:, 1:] given rows[:, :-1] ((n, T + 1) int64), through transformers."""
+    from fastppl.models.loading import native_to_hf
+    hf = native_to_hf(model.float()).eval()
+    with torch.no_grad():
+        logprobs = hf(input_ids=rows[:, :-1]).logits.float().log_softmax(-1)
+    return -logprobs.gather(-1, rows[:, 1:, None])[..., 0]

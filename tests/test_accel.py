@@ -69,7 +69,10 @@ def test_compile_on_and_off_give_the_same_result(tmp_path, tokenizer_dir):
     assert on["nll_sum"] == pytest.approx(off["nll_sum"], rel=1e-5)
 
 
-def test_bench_cpu_path(tmp_path, capsys):
+def test_bench_cpu_path(tmp_path, capsys, sharpened_random_models):
+    """Every peer's NLL against a direct fp32 computation with transformers on the bench's own rows: fastppl
+    over all T targets of each row, the labels= peers over the T - 1 they score (fp32 on the CPU, autocast bf16)."""
+    from conftest import hf_reference_nll
     out = tmp_path / "bench.json"
     rc = main(["bench", "--model", "random:gpt2-tiny", "--tokens", "1024", "--seq", "32", "--batch-size", "4",
                "--device", "cpu", "--json", str(out), "--quiet",
@@ -79,8 +82,15 @@ def test_bench_cpu_path(tmp_path, capsys):
     report = json.loads(out.read_text())
     names = [r["name"] for r in report["rows"]]
     assert names == ["naive", "autocast", "hf-bf16", "fastppl"]
-    nlls = [r["nll"] for r in report["rows"]]
-    assert max(nlls) - min(nlls) < 0.05      # same weights, same tokens: the peers agree
+    model = sharpened_random_models("gpt2-tiny")
+    rows = np.random.default_rng(0).integers(0, model.vocab_size, size=(32, 33), dtype=np.int64)   # the bench's
+    nll = hf_reference_nll(model, torch.from_numpy(rows))
+    assert nll.std().item() > 0.3                              # far from uniform predictions
+    naive, autocast, hf, fastppl = (r["nll"] for r in report["rows"])
+    assert fastppl == pytest.approx(nll.mean().item(), rel=1e-5)
+    assert naive == pytest.approx(nll[:, :31].mean().item(), rel=1e-5)
+    assert hf == pytest.approx(nll[:, :31].mean().item(), rel=1e-5)
+    assert autocast == pytest.approx(nll[:, :31].mean().item(), abs=5e-2)   # bf16 products
     assert all(r["tokens_per_second"] > 0 for r in report["rows"])
     assert report["rows"][-1]["compile"] == "off (auto: CPU)"
     assert "fastppl" in capsys.readouterr().out

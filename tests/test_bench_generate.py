@@ -70,24 +70,11 @@ def test_bench_generate_user_errors(capsys):
     assert "positions" in capsys.readouterr().err
 
 
-def _sharpened(model):
-    """Weights well above the 0.02 init (norms kept), so that predictions are far from uniform: with near-uniform
-    ones every token's NLL is ~ln V, whichever token is scored, and a scoring error would not show."""
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name and "ln" not in name:
-                p.normal_(0.0, 0.1, generator=generator)
-    return model
-
-
-def test_bench_llama_peers_agree(tmp_path, monkeypatch):
+def test_bench_llama_peers_agree(tmp_path, sharpened_random_models):
     """Both rows' NLL against a direct fp32 computation with transformers on the bench's own rows (CPU: fp32):
     fastppl's over all T targets of each row, the labels= peer's over the T - 1 it scores."""
     import numpy as np
-    import fastppl.models.loading as loading
-    unsharp = loading.random_native
-    monkeypatch.setattr(loading, "random_native", lambda *args, **kwargs: _sharpened(unsharp(*args, **kwargs)))
+    from conftest import hf_reference_nll
     out = tmp_path / "bench.json"
     rc = main(["bench", "--model", "random:llama-tiny", "--peers", "hf-bf16,fastppl", "--tokens", "512", "--seq", "32",
                "--device", "cpu", "--json", str(out), "--quiet"])
@@ -96,14 +83,10 @@ def test_bench_llama_peers_agree(tmp_path, monkeypatch):
     assert report["batch_size"] == 8                           # Llama's default
     assert [r["name"] for r in report["rows"]] == ["hf-bf16", "fastppl"]
     hf_nll, fastppl_nll = (r["nll"] for r in report["rows"])
-
-    model = loading.random_native("llama-tiny")
-    hf = native_to_hf(model).eval()
-    rows = torch.from_numpy(np.random.default_rng(0).integers(0, model.vocab_size, size=(16, 33), dtype=np.int64))
-    with torch.no_grad():
-        logprobs = hf(input_ids=rows[:, :32]).logits.float().log_softmax(-1)            # (16, 32, V)
-    nll = -logprobs.gather(-1, rows[:, 1:, None])[..., 0]                              # (16, 32)
-    assert nll.std().item() > 0.3        # far from uniform predictions, where every token's NLL would be ln V
+    model = sharpened_random_models("llama-tiny")
+    rows = np.random.default_rng(0).integers(0, model.vocab_size, size=(16, 33), dtype=np.int64)   # the bench's
+    nll = hf_reference_nll(model, torch.from_numpy(rows))
+    assert nll.std().item() > 0.3                              # far from uniform predictions
     assert fastppl_nll == pytest.approx(nll.mean().item(), rel=1e-5)
     assert hf_nll == pytest.approx(nll[:, :31].mean().item(), rel=1e-5)
     assert report["flops_per_token"] == flops_per_token(LLAMA_PRESETS["llama-tiny"], 32)

@@ -96,6 +96,25 @@ def test_attention_combines_many_chunks_of_an_odd_length_cache_and_a_reused_deco
         fused_tokens(model, then, 20, cache_len=50, decoder=decoder)
 
 
+@pytest.mark.parametrize("tied", [(5, 3), (900, 3)], ids=["same-vocabulary-block", "across-blocks"])
+def test_tied_top_logits_go_to_the_lowest_id_like_the_eager_step(tied):
+    """Two vocabulary rows equal and the final hidden state fixed (ln_f's weight 0, its bias u): at every step
+    the two ids tie exactly, at the top. The eager step (torch.argmax) takes the lower id, and so must the
+    fused one, within one program's block of the vocabulary and across blocks."""
+    model = sharp_model(TINY)
+    with torch.no_grad():
+        u = torch.randn(TINY.n_embd, generator=torch.Generator().manual_seed(0)).to(model.wte.weight)
+        model.ln_f.weight.zero_()
+        model.ln_f.bias.copy_(u)
+        for i in tied:                       # logit |u|; the other rows' ~0.06 |u| N(0, 1)
+            model.wte.weight[i] = u / u.norm()
+    prompts = prompts_of([4, 7][:fused_decode.MAX_BATCH], TINY.vocab_size, seed=4)
+    reference = G.generate(model, prompts, 6, compile=False).tokens
+    assert reference == [[min(tied)] * 6] * len(prompts)
+    tokens, _ = fused_tokens(model, prompts, 6)
+    assert tokens == reference
+
+
 def test_fused_step_stops_a_row_at_end_of_text_like_the_eager_step():
     model = sharp_model(TINY)
     prompts = prompts_of([4, 6], TINY.vocab_size, seed=3)
@@ -332,3 +351,8 @@ def test_generate_loop_with_the_fused_step_gives_the_eager_tokens_and_stops(monk
         got = G.generate(model, prompts, 8, eos_id=eos_id, compile=True, stop_check_every=2)
         assert got.decode_step == "fused (forced)"
         assert got.tokens == expected.tokens and got.finished == expected.finished
+    # row 1 alone finishes at its 4th token: the loop stops at the next check instead of running all 7 steps
+    expected = G.generate(model, prompts[1:], 8, eos_id=eos, compile=False, stop_check_every=2)
+    got = G.generate(model, prompts[1:], 8, eos_id=eos, compile=True, stop_check_every=2)
+    assert got.tokens == expected.tokens and got.finished == [True]
+    assert got.decode_steps == expected.decode_steps == -(-max(free[1].index(eos), 1) // 2) * 2 < 7

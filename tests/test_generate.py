@@ -122,6 +122,10 @@ def test_rows_stop_at_end_of_text():
     assert result.tokens[0] == free[0][:free[0].index(stop_id) + 1] and result.finished[0]
     if stop_id not in free[1]:
         assert result.tokens[1] == free[1] and not result.finished[1]
+    # once every row has finished, the loop stops at the next check (every 2 steps) instead of running all 11
+    alone = generate(model, prompts[:1], 12, eos_id=stop_id, stop_check_every=2)
+    assert alone.tokens == result.tokens[:1] and alone.finished == [True]
+    assert alone.decode_steps == -(-max(free[0].index(stop_id), 1) // 2) * 2 < 11
 
 
 def test_prompt_too_long_is_a_user_error():
