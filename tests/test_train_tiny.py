@@ -23,6 +23,8 @@ def test_same_seed_same_weights(tmp_path, tokenizer_dir, shakespeare):
                  ctx=16, batch_size=2)
     a, b = train_tiny(tmp_path / "a", **small), train_tiny(tmp_path / "b", **small)
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    other = train_tiny(tmp_path / "c", **{**small, "seed": 4})   # and the seed is what sets them
+    assert (other / "model.safetensors").read_bytes() != (a / "model.safetensors").read_bytes()
 
 
 def test_trained_checkpoint_is_evaluated_by_fastppl(tmp_path, tiny_trained_checkpoint, shakespeare):
