@@ -206,3 +206,14 @@ def test_auto_batch_size_keeps_a_balanced_batch_only_where_it_runs_fewer_rows(to
     expected = balanced_batch_size(8, n)
     assert expected < 8 and auto["batch_size"] == expected
     assert auto["nll_sum"] == pytest.approx(fixed["nll_sum"], rel=1e-9)
+
+
+def test_auto_batch_size_is_not_balanced_where_that_runs_no_fewer_rows(tmp_path, tokenizer_dir):
+    """20 short documents are 20 windows (balanced: 7 rows a batch, not 8) but pack into a few rows, which one
+    batch holds at 7 rows as at 8: balancing would run no fewer slots, so auto keeps 8."""
+    from fastppl.accel.batch_size import balanced_batch_size
+    corpus = tmp_path / "short.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"Document {i} is short."}) + "\n" for i in range(20)))
+    auto = _run(tokenizer_dir, [corpus], batch_size="auto", batching="packed")
+    assert auto["windows"] == 20 and balanced_batch_size(8, 20) == 7
+    assert auto["batches"] == 1 and auto["batch_size"] == 8
