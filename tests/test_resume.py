@@ -3,6 +3,7 @@ uninterrupted run, counting no window twice; a checkpoint of other arguments is 
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -114,3 +115,43 @@ def test_finished_checkpoint_reruns_without_scoring_and_other_arguments_are_refu
     not_a_directory.write_text("x")
     assert main(eval_args(tokenizer_dir, corpus_dir, tmp_path, "--resume", str(not_a_directory))) == 2
     assert "is a file" in capsys.readouterr().err
+
+
+def test_a_checkpoint_of_other_text_seed_or_model_files_is_refused(
+        tokenizer_dir, corpus_dir, tiny_trained_checkpoint, tmp_path, capsys):
+    """Not only the arguments: the corpus's text (same file names and lengths, one character changed), the
+    random weights' seed, and the files of a local checkpoint directory (retrained at the same path) each
+    make the checkpoint another run's."""
+    corpus = tmp_path / "corpus"
+    shutil.copytree(corpus_dir, corpus)
+    out = tmp_path / "out"
+    out.mkdir()
+    args = eval_args(tokenizer_dir, corpus, out, "--resume", str(tmp_path / "ckpt"))
+    assert main(args) == 0
+    capsys.readouterr()
+
+    def refused(argv, what):
+        assert main(argv) == 2
+        error = capsys.readouterr().err
+        assert "other arguments" in error and what in error and "Traceback" not in error, error
+
+    first = corpus / "00.txt"
+    text = first.read_text()
+    first.write_text(("#" if text[0] != "#" else "%") + text[1:])      # same length, same windows
+    refused(args, "data")
+    first.write_text(text)
+    assert main(args) == 0                                              # the same text again: resumed
+    capsys.readouterr()
+    refused(args + ["--seed", "1"], "seed")
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_trained_checkpoint, model)
+    at = args.index("--model") + 1
+    with_model = args[:at] + [str(model)] + args[at + 1:]
+    with_model[with_model.index("--resume") + 1] = str(tmp_path / "ckpt-model")
+    assert main(with_model) == 0
+    capsys.readouterr()
+    weights = model / "model.safetensors"
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # retrained: other mtime
+    refused(with_model, "model")
