@@ -183,14 +183,16 @@ def test_chunked_equals_brute_force_hf(hf_checkpoints, tokenizer_dir, short_text
     assert result["nll_sum"] == pytest.approx(reference.sum(), rel=FP32_RTOL)
 
 
-@pytest.mark.parametrize("ctx, stride, bos", [(8, 3, False), (8, 8, False), (10, 1, False), (8, 4, True)])
+@pytest.mark.parametrize("ctx, stride, bos", [(8, 3, False), (8, 8, False), (10, 1, False), (8, 4, True),
+                                              (9, None, False)])   # None: the default, ctx // 2
 def test_sliding_equals_brute_force_hf(hf_checkpoints, tokenizer_dir, short_text, ctx, stride, bos):
     hf, root = hf_checkpoints
     path, ids = short_text
     stream = [hf.config.eos_token_id] + ids if bos else ids
     result, per_token = _evaluate(root / "bin", tokenizer_dir, path, ctx=ctx, window="sliding", stride=stride,
                                   bos=bos, batch_size=2)
-    reference = _brute_force(hf, stream, hf_guide_pairs(len(stream), ctx, stride),
+    assert result["stride"] == (stride or ctx // 2)
+    reference = _brute_force(hf, stream, hf_guide_pairs(len(stream), ctx, stride or ctx // 2),
                              (lambda j: j - 1) if bos else (lambda j: j))
     _assert_matches(per_token, reference)
     assert result["tokens_scored"] == int((~np.isnan(reference)).sum())

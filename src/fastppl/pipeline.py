@@ -52,6 +52,10 @@ class Stream:
         return self.token_offset + (0 if self.bos else 1)
 
 
+def sliding_stride(stride: Optional[int], ctx: int) -> int:
+    """--stride, or by default half the context (each window after the first scores its last ctx/2 tokens)."""
+    return stride or max(ctx // 2, 1)
+
 def default_tokenizer_name(model_spec: str) -> str:
     # random weights have no tokenizer of their own; every preset's vocabulary holds GPT-2's
     return "gpt2" if model_spec.startswith("random:") else model_spec
@@ -63,7 +67,7 @@ def plan_windows(config: EvalConfig, streams: list[Stream], ctx: int) -> list[Wi
         if config.window == "chunked":
             windows = chunked_windows(len(stream.ids) - 1, ctx)
         else:
-            windows = sliding_windows(len(stream.ids), ctx, config.stride or max(ctx // 2, 1))
+            windows = sliding_windows(len(stream.ids), ctx, sliding_stride(config.stride, ctx))
         refs.extend(WindowRef(doc, w) for w in windows)
     return refs
 
@@ -282,7 +286,7 @@ def evaluate(config: EvalConfig) -> dict:
         # each window runs over its new tokens only (fastppl.engine.cached_sliding)
         score_cached_sliding(
             model, refs, stream_ids, target_offsets, ctx,
-            config.stride or max(ctx // 2, 1), batch_size, sums, device, on_step=progress.advance,
+            sliding_stride(config.stride, ctx), batch_size, sums, device, on_step=progress.advance,
             compile_fn=compile_score_fn if compiled else None, chunk_rows=config.loss_chunk_rows,
             document_starts=np.array([s.token_offset for s in streams], dtype=np.int64),
         )
@@ -339,7 +343,7 @@ def evaluate(config: EvalConfig) -> dict:
         "document_attention_fallback": varlen_failure(),   # why varlen gave way to FlexAttention, if it did
         "padding_waste": None if use_kv_cache else padding_waste(plans, window_lengths),
         "ctx": ctx,
-        "stride": (config.stride or max(ctx // 2, 1)) if config.window == "sliding" else None,
+        "stride": sliding_stride(config.stride, ctx) if config.window == "sliding" else None,
         "window": config.window,
         "dtype": str(dtype).replace("torch.", ""),
         "compile": compile_reason,
