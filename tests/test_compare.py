@@ -79,10 +79,19 @@ def test_compare_table_shows_the_differences(tmp_path, capsys):
     ({"data": "other.txt"}, "scored tinyshakespeare (val) but b scored other.txt (val)"),
     ({"split": "train"}, "but b scored tinyshakespeare (train)"),
     ({"tokens": 36058}, "scored 36,059 tokens but b scored 36,058"),
+    ({"data": ["a.txt", "c.txt"]}, "but b scored a.txt, c.txt"),   # against a.txt, b.txt: the second file differs
 ])
 def test_incomparable_runs_are_refused_unless_forced(tmp_path, capsys, change, reason):
-    a = write(tmp_path / "a.json", make_result())
-    b = write(tmp_path / "b.json", make_result(**change))
+    first = make_result()
+    if isinstance(change.get("data"), list):
+        first["config"]["data"] = ["a.txt", "b.txt"]
+        change = dict(change)
+        second = make_result()
+        second["config"]["data"] = change.pop("data")
+    else:
+        second = make_result(**change)
+    a = write(tmp_path / "a.json", first)
+    b = write(tmp_path / "b.json", second)
     assert main(["compare", a, b]) == 2
     err = one_line_error(capsys)
     assert "not comparable" in err and reason in err and "--force" in err
@@ -136,7 +145,26 @@ def test_per_doc_worst_documents_and_largest_increases(tmp_path, capsys):
     assert increases[0].split()[0] == "doc:3" and "+1.0000" in increases[0]   # 2.0 -> 3.0
     summary = out.split("per-document NLL")[1].split("\n\n")[0]
     a_row = next(line for line in summary.splitlines() if line.startswith("a "))
-    assert a_row.split()[1:4] == ["5", "2", f"{(3 + 5 + 2) / 3:.4f}"]        # documents, left out, mean
+    b_row = next(line for line in summary.splitlines() if line.startswith("b "))
+    # documents, left out, mean, median, p90 (linear between ranks), max of the kept 3.0, 5.0, 2.0 / 3.0, 4.5, 3.0
+    assert a_row.split()[1:] == ["5", "2", f"{(3 + 5 + 2) / 3:.4f}", "3.0000", f"{3 + 0.8 * 2:.4f}", "5.0000"]
+    assert b_row.split()[1:] == ["5", "2", f"{(3 + 4.5 + 3) / 3:.4f}", "3.0000", f"{3 + 0.8 * 1.5:.4f}", "4.5000"]
+
+
+def test_per_doc_increases_rank_by_nll_per_token_not_by_total(tmp_path, capsys):
+    """A long document a little worse (+0.1 nats/token, +100 in total) ranks below a short one much worse
+    (+1.0 nats/token, +20 in total). The per-document files' own labels head their tables."""
+    before = [{"id": "long", "tokens": 1000, "bytes": 4000, "words": 800, "nll_sum": 2000.0},
+              {"id": "short", "tokens": 20, "bytes": 80, "words": 16, "nll_sum": 40.0}]
+    after = [dict(before[0], nll_sum=2100.0), dict(before[1], nll_sum=60.0)]
+    a = write(tmp_path / "a.json", make_result())
+    b = write(tmp_path / "b.json", make_result(nll=3.1))
+    docs_x, docs_y = write_docs(tmp_path / "x.jsonl", before), write_docs(tmp_path / "y.jsonl", after)
+    assert main(["compare", a, b, "--per-doc", docs_x, docs_y]) == 0
+    out = capsys.readouterr().out
+    increases = out.split("largest per-document increases of b against a\n")[1].splitlines()[2:]
+    assert [row.split()[0] for row in increases[:2]] == ["short", "long"]
+    assert "worst documents of a\n" in out and "worst documents of x" not in out   # the runs' labels
 
 
 def test_per_doc_path_from_the_report(tmp_path, capsys):
