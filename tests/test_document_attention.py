@@ -30,8 +30,9 @@ def _packed_row(generator):
 
 
 @torch.inference_mode()
-def test_each_packed_document_reads_as_if_alone():
-    model = random_gpt2("gpt2-tiny").eval()
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
+def test_each_packed_document_reads_as_if_alone(preset):
+    model = random_native(preset).eval()
     ids, position_ids, document_ids = _packed_row(torch.Generator().manual_seed(0))
     packed = model(ids, position_ids, document_ids)                        # (1, 30, C)
     begin = 0
