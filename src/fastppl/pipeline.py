@@ -56,6 +56,7 @@ def sliding_stride(stride: Optional[int], ctx: int) -> int:
     """--stride, or by default half the context (each window after the first scores its last ctx/2 tokens)."""
     return stride or max(ctx // 2, 1)
 
+
 def default_tokenizer_name(model_spec: str) -> str:
     # random weights have no tokenizer of their own; every preset's vocabulary holds GPT-2's
     return "gpt2" if model_spec.startswith("random:") else model_spec
