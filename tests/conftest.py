@@ -57,7 +57,7 @@ def sharpened_random_models(monkeypatch):
     """random:<preset> models (fastppl.models.loading.random_native, which the bench builds from) with weights
     well above the 0.02 init (norms kept), so that predictions are far from uniform: with near-uniform ones
     every token's NLL is ~ln V whichever token is scored, and a scoring error would not show. Returns the
-    patched random_native (the same weights for the same preset and seed)."""
+    patched random_native (the same weights for a preset, whatever the seed)."""
     import fastppl.models.loading as loading
     unsharp = loading.random_native
 
