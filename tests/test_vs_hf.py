@@ -115,6 +115,20 @@ def test_load_hf_checkpoint_directory(hf_checkpoints, layout, backend):
     assert _max_rel(_native_token_nll(model, ids), _hf_token_nll(hf, ids)) <= FP32_RTOL
 
 
+def test_a_checkpoints_layer_norm_epsilon_is_used(tmp_path):
+    """config.json's layer_norm_epsilon reaches every LayerNorm: 0.5 against the default 1e-5 moves every
+    NLL far past the fp32 tolerance."""
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(HFGPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                                      layer_norm_epsilon=0.5)).eval()
+    _perturb(hf, 0)
+    hf.save_pretrained(tmp_path)
+    model = load_model(str(tmp_path), "native", torch.float32)
+    assert model.config.layer_norm_epsilon == 0.5
+    ids = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(1))
+    assert _max_rel(_native_token_nll(model, ids), _hf_token_nll(hf, ids)) <= FP32_RTOL
+
+
 @pytest.mark.parametrize("change", [{"activation_function": "relu"}, {"n_inner": 80},
                                     {"scale_attn_by_inverse_layer_idx": True}, {"tie_word_embeddings": False}])
 def test_gpt2_variants_the_native_model_lacks_run_through_hf(tmp_path, change):
