@@ -151,6 +151,17 @@ def test_per_doc_worst_documents_and_largest_increases(tmp_path, capsys):
     assert b_row.split()[1:] == ["5", "2", f"{(3 + 4.5 + 3) / 3:.4f}", "3.0000", f"{3 + 0.8 * 1.5:.4f}", "4.5000"]
 
 
+def test_a_document_of_exactly_the_minimum_length_is_kept(tmp_path, capsys):
+    docs = [{"id": "ten", "tokens": 10, "bytes": 40, "words": 8, "nll_sum": 40.0},
+            {"id": "nine", "tokens": 9, "bytes": 36, "words": 7, "nll_sum": 90.0}]
+    a, b = write_docs(tmp_path / "a.jsonl", docs), write_docs(tmp_path / "b.jsonl", docs)
+    assert main(["compare", "--per-doc", a, b]) == 0
+    out = capsys.readouterr().out
+    assert "documents of fewer than 10 tokens are left out" in out
+    worst = out.split("worst documents of a\n")[1].split("\n\n")[0].splitlines()[2:]
+    assert [row.split()[0] for row in worst] == ["ten"]
+
+
 def test_per_doc_increases_rank_by_nll_per_token_not_by_total(tmp_path, capsys):
     """A long document a little worse (+0.1 nats/token, +100 in total) ranks below a short one much worse
     (+1.0 nats/token, +20 in total). The per-document files' own labels head their tables."""
