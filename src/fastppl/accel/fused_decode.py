@@ -434,14 +434,12 @@ class FusedGPT2Decoder:
             self._launch_step()
             self.launched = True
             return
-        state = (self.token, self.finished, self.pos, self.history)
-        saved = [t.clone() for t in state]
+        saved = self._save_state()
         try:
             self._launch_step()
         except Exception as error:   # noqa: BLE001: whatever the toolchain raises
             dependent, self.dependent = self.dependent, {}
-            for buffer, value in zip(state, saved):   # kernels that ran before the failure advanced nothing else
-                buffer.copy_(value)                   # the cache slot they wrote is written again, identically
+            self._restore_state(saved)   # kernels that ran before the failure advanced nothing else
             try:
                 self._launch_step()
             except Exception:
@@ -454,18 +452,25 @@ class FusedGPT2Decoder:
             self.dependent_launch = False
         self.launched = True
 
+    def _save_state(self) -> list:
+        """Copies of what a step advances (token, finished rows, position, history), for a step to be redone.
+        The cache slot a step writes needs no copy: the redone step writes it again, identically."""
+        return [t.clone() for t in (self.token, self.finished, self.pos, self.history)]
+
+    def _restore_state(self, saved: list) -> None:
+        for buffer, value in zip((self.token, self.finished, self.pos, self.history), saved):
+            buffer.copy_(value)
+
     def _capture(self) -> "torch.cuda.CUDAGraph":
         # a first eager step compiles the kernels (Triton JIT) outside the capture; the state it advanced
         # is put back, and the cache slot it wrote is written again, identically, by the replay
-        state = (self.token, self.finished, self.pos, self.history)
-        saved = [t.clone() for t in state]
+        saved = self._save_state()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self._launch_first_step()
         torch.cuda.current_stream().wait_stream(side)
-        for buffer, value in zip(state, saved):
-            buffer.copy_(value)
+        self._restore_state(saved)
         graph = torch.cuda.CUDAGraph()   # kept only once captured, so that a failed capture is retried
         with torch.cuda.graph(graph):
             self._launch_step()
