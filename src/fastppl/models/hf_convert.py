@@ -93,8 +93,8 @@ def load_hf_gpt2_state_dict(model: GPT2, hf_state: dict[str, torch.Tensor], sour
             "the file is incomplete or not a GPT-2 checkpoint"
         )
     # the native GPT-2 ties lm_head to wte: a checkpoint's own lm_head must be that same matrix
-    _refuse_dropped_weights(hf_state, "transformer.h.", model.config.n_layer, "lm_head.weight", "transformer.wte.weight",
-                  source)
+    _refuse_dropped_weights(hf_state, "transformer.h.", model.config.n_layer, "lm_head.weight",
+                            "transformer.wte.weight", source)
     native_params = dict(model.named_parameters())
     with torch.no_grad():
         for native, hf in names.items():
@@ -104,8 +104,8 @@ def load_hf_gpt2_state_dict(model: GPT2, hf_state: dict[str, torch.Tensor], sour
             _copy_checked(native_params[native], tensor, source, hf)
 
 
-def _refuse_dropped_weights(hf_state: dict, layer_prefix: str, n_layer: int, tied_head: Optional[str], embedding: str,
-                  source: str) -> None:
+def _refuse_dropped_weights(hf_state: dict, layer_prefix: str, n_layer: int, tied_head: Optional[str],
+                            embedding: str, source: str) -> None:
     """Refuse a checkpoint whose weights the model would drop and so silently be another model: layers past
     the config's n_layer (a config with fewer layers than the file), or, for a tied model, a file's own output
     matrix that is not the embedding. Other extra tensors (a value head, a second copy of the weights under
@@ -280,7 +280,8 @@ def load_hf_llama_state_dict(model: Llama, hf_state: dict[str, torch.Tensor], so
             "the file is incomplete or its config does not match it"
         )
     _refuse_dropped_weights(hf_state, "model.layers.", model.config.n_layer,
-                  "lm_head.weight" if model.config.tie_word_embeddings else None, "model.embed_tokens.weight", source)
+                            "lm_head.weight" if model.config.tie_word_embeddings else None,
+                            "model.embed_tokens.weight", source)
     with torch.no_grad():
         for native, hf_names in names.items():
             tensor = torch.cat([hf_state[hf] for hf in hf_names]) if len(hf_names) > 1 else hf_state[hf_names[0]]
