@@ -349,7 +349,8 @@ def test_generate_loop_with_the_fused_step_gives_the_eager_tokens_and_stops(monk
     for eos_id in (None, eos):
         expected = G.generate(model, prompts, 8, eos_id=eos_id, compile=False)
         got = G.generate(model, prompts, 8, eos_id=eos_id, compile=True, stop_check_every=2)
-        assert got.decode_step == "fused (forced)"
+        # on CUDA the step adds dependent launches (their default); the interpreter has none
+        assert got.decode_step in ("fused (forced)", "fused (forced), dependent launches")
         assert got.tokens == expected.tokens and got.finished == expected.finished
     # row 1 alone finishes at its 4th token: the loop stops at the next check instead of running all 7 steps
     expected = G.generate(model, prompts[1:], 8, eos_id=eos, compile=False, stop_check_every=2)
