@@ -3,6 +3,7 @@ no traceback, and neither the --json nor the --per-token file is created.
 
 A few cases run `python -m fastppl` as a subprocess (the real entry point, real stderr); the rest
 call fastppl.cli.main in-process."""
+import json
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from fastppl.cli import main
-from fastppl.report import write_json
+from fastppl.report import write_json, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "random:gpt2-tiny"
@@ -344,6 +345,21 @@ def test_json_path_is_a_directory(tmp_path, text, tokenizer_dir, capsys):
     outputs = (tmp_path, tmp_path / "t.npy")
     rc, err = _main(capsys, _args(TINY, text, outputs, tokenizer_dir))
     assert rc == 2 and "is a directory" in err and not (tmp_path / "t.npy").exists()
+
+
+def test_non_finite_values_are_written_as_null_so_that_strict_parsers_read_the_report(tmp_path):
+    def refuse(constant):
+        raise ValueError(f"bare {constant} in the report")
+    report = {"nll": 3.0, "bits_per_byte": float("nan"), "by_position": [1.0, float("inf"), None],
+              "nested": {"rate": float("-inf"), "pair": (2.5, float("nan"))}}
+    write_json(str(tmp_path / "r.json"), report)
+    written = json.loads((tmp_path / "r.json").read_text(), parse_constant=refuse)
+    assert written == {"nll": 3.0, "bits_per_byte": None, "by_position": [1.0, None, None],
+                       "nested": {"rate": None, "pair": [2.5, None]}}
+    write_jsonl(str(tmp_path / "d.jsonl"), [{"id": "a", "bits_per_byte": float("nan")}, {"id": "b", "nll": 1.5}])
+    lines = (tmp_path / "d.jsonl").read_text().splitlines()
+    assert [json.loads(line, parse_constant=refuse) for line in lines] == [{"id": "a", "bits_per_byte": None},
+                                                                         {"id": "b", "nll": 1.5}]
 
 
 def test_a_failed_write_leaves_no_partial_file(tmp_path):

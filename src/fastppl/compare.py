@@ -89,10 +89,11 @@ def _is_number(value) -> bool:
 
 # the fields compare reads: a check each (absent optional fields are fine)
 _FIELD_TYPES = {
-    "nll": _is_number, "ppl": _is_number,
+    # reports write null where a value is not finite (ppl past exp's range, bits/byte with no bytes)
+    "nll": _is_number, "ppl": lambda v: v is None or _is_number(v),
     "tokens_scored": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
     "tokens_per_second": lambda v: v is None or _is_number(v),
-    "bits_per_byte": _is_number,
+    "bits_per_byte": lambda v: v is None or _is_number(v),
     "dtype": lambda v: isinstance(v, str),
     "environment": lambda v: isinstance(v, dict) and isinstance(v.get("device_name", ""), str),
     "per_doc_path": lambda v: v is None or isinstance(v, str),
@@ -145,6 +146,10 @@ def check_comparable(runs: Sequence[Run], force: bool) -> None:
             )
 
 
+def _or_nan(value) -> float:
+    return math.nan if value is None else value
+
+
 def differences(first: dict, other: dict) -> dict:
     """other against first: absolute NLL and bits/byte, relative perplexity, speed ratio."""
     def ratio(a, b):
@@ -153,7 +158,7 @@ def differences(first: dict, other: dict) -> dict:
     return {
         "nll": other["nll"] - first["nll"],
         "ppl_relative": ratio(first["ppl"], other["ppl"]) - 1,
-        "bits_per_byte": other.get("bits_per_byte", math.nan) - first.get("bits_per_byte", math.nan),
+        "bits_per_byte": _or_nan(other.get("bits_per_byte")) - _or_nan(first.get("bits_per_byte")),
         "speedup": ratio(first.get("tokens_per_second"), other.get("tokens_per_second")),
     }
 

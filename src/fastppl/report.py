@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -159,12 +160,24 @@ def write_atomic(path: str, write: Callable, binary: bool = False) -> None:
         raise
 
 
+def finite_or_null(value):
+    """value with every NaN or infinite float replaced by None (recursively through dicts, lists and tuples):
+    JSON has no NaN, and strict parsers (JavaScript's, Go's, serde_json) refuse the bare NaN that Python writes."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(item) for item in value]
+    return value
+
+
 def write_json(path: str, result: dict) -> None:
-    write_atomic(path, lambda f: (json.dump(result, f, indent=2, allow_nan=True), f.write("\n")))
+    write_atomic(path, lambda f: (json.dump(finite_or_null(result), f, indent=2, allow_nan=False), f.write("\n")))
 
 
 def write_jsonl(path: str, records) -> None:
-    write_atomic(path, lambda f: f.writelines(json.dumps(r) + "\n" for r in records))
+    write_atomic(path, lambda f: f.writelines(json.dumps(finite_or_null(r), allow_nan=False) + "\n" for r in records))
 
 
 def write_npy(path: str, array) -> None:
