@@ -96,6 +96,57 @@ def test_bench_cpu_path(tmp_path, capsys, sharpened_random_models):
     assert "fastppl" in capsys.readouterr().out
 
 
+def test_bench_rounds_merge_to_medians_and_the_median_of_each_rounds_own_ratio():
+    from fastppl.bench import format_table, merge_rounds
+
+    def report(peer_rate, fastppl_rate, ceiling, peak):
+        rows = [{"name": name, "tokens": 1000, "seconds": 1000 / rate, "tokens_per_second": rate,
+                 "share_of_ceiling": rate / ceiling, "nll": 10.0, "peak_memory_bytes": memory,
+                 "fastppl_speedup": fastppl_rate / rate, "note": name}
+                for name, rate, memory in (("hf-compiled", peer_rate, peak), ("fastppl", fastppl_rate, None))]
+        return {"model": "random:x", "seq_len": 8, "batch_size": 2, "device_name": "cpu", "torch": "t",
+                "matmul_ceiling_flops": ceiling, "rows": rows}
+
+    # per-round ratios 2, 1, 3: their median is 2, while the ratio of the medians would be 150 / 50 = 3
+    merged = merge_rounds([report(50, 100, 1e12, 5), report(200, 200, 3e12, 7), report(50, 150, 2e12, 6)])
+    peer, fast = merged["rows"]
+    assert merged["rounds"] == 3 and merged["matmul_ceiling_flops"] == 2e12
+    assert merged["matmul_ceiling_rounds"] == [1e12, 3e12, 2e12]
+    assert peer["tokens_per_second"] == 50 and fast["tokens_per_second"] == 150
+    assert peer["tokens_per_second_rounds"] == [50, 200, 50] and peer["seconds"] == 20
+    assert peer["fastppl_speedup"] == 2 and peer["fastppl_speedup_range"] == [1, 3]
+    assert fast["fastppl_speedup"] == 1 and fast["fastppl_speedup_range"] == [1, 1]
+    assert peer["share_of_ceiling"] == pytest.approx(np.median([50 / 1e12, 200 / 3e12, 50 / 2e12]))
+    assert peer["peak_memory_bytes"] == 7 and fast["peak_memory_bytes"] is None
+    table = format_table(merged)
+    assert "median of 3 rounds" in table.splitlines()[0]
+    peer_line = next(line for line in table.splitlines() if line.startswith("hf-compiled"))
+    assert "1.00-3.00" in peer_line and "+0.0%/+300.0%" in peer_line, peer_line
+
+
+def test_bench_rounds_from_the_command_line(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", "random:gpt2-tiny", "--tokens", "256", "--seq", "32", "--batch-size", "4",
+                 "--device", "cpu", "--peers", "hf-bf16,fastppl", "--rounds", "2", "--json", str(out)]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert report["rounds"] == 2 and len(report["matmul_ceiling_rounds"]) == 2
+    assert [len(r["tokens_per_second_rounds"]) for r in report["rows"]] == [2, 2]
+    hf, fast = report["rows"]
+    assert hf["tokens_per_second"] == pytest.approx(np.median(hf["tokens_per_second_rounds"]))
+    assert hf["fastppl_speedup_range"][0] <= hf["fastppl_speedup"] <= hf["fastppl_speedup_range"][1]
+    assert "median of 2 rounds" in captured.out
+    progress = captured.err.splitlines()
+    assert any(line.startswith("round 1/2: fastppl") for line in progress)
+    assert any(line.startswith("round 2/2: fastppl") for line in progress), captured.err
+    single = tmp_path / "single.json"
+    assert main(["bench", "--model", "random:gpt2-tiny", "--tokens", "256", "--seq", "32", "--batch-size", "4",
+                 "--device", "cpu", "--peers", "fastppl", "--json", str(single), "--quiet"]) == 0
+    one = json.loads(single.read_text())
+    assert one["rounds"] == 1 and "tokens_per_second_rounds" not in one["rows"][0]
+    assert one["rows"][0]["nll"] == pytest.approx(fast["nll"], rel=1e-6)   # the same rows each round
+
+
 def test_bench_compile_on_compiles_fastppls_row_and_agrees_with_eager(tmp_path, monkeypatch):
     import fastppl.accel.compile as compile_module
     compiled, real = [], compile_module.compile_score_fn

@@ -534,6 +534,9 @@ def test_json_path_with_a_trailing_slash_and_out_of_memory(tmp_path, tokenizer_d
     (["--generate", "--compile", "on"], "--compile apply to scoring"),
     (["--new-tokens", "8"], "--new-tokens apply to bench --generate only"),
     (["--batch-sizes", "0"], "--batch-sizes apply to bench --generate only"),
+    (["--generate", "--rounds", "3"], "--rounds apply to scoring"),
+    (["--corpus", "docs", "--rounds", "3"], "--rounds applies to the peers' bench"),
+    (["--nproc", "2", "--rounds", "3"], "--rounds applies to the peers' bench"),
 ])
 def test_bench_options_of_the_other_kind_are_refused(extra, fragment, capsys):
     rc, err = _main(capsys, ["bench", "--model", TINY, "--device", "cpu", *extra])   # each was silently ignored

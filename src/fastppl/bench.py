@@ -282,13 +282,66 @@ def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_le
     }
 
 
+def run_bench_rounds(rounds: int, log: Callable[[str], None] = print, **bench_args) -> dict:
+    """run_bench `rounds` times in a row, every peer once a round in the same order, merged by merge_rounds.
+    A machine's state drifts (a shared GPU under its power cap moves a rate by a few % between passes), so a
+    single pass's ratio carries that drift; rounds give its spread, and a median that one slow pass cannot move."""
+    reports = []
+    for number in range(1, rounds + 1):
+        prefix = f"round {number}/{rounds}: " if rounds > 1 else ""
+        reports.append(run_bench(log=lambda line: log(prefix + line), **bench_args))
+    return merge_rounds(reports) if rounds > 1 else {**reports[0], "rounds": 1}
+
+
+def merge_rounds(reports: list[dict]) -> dict:
+    """One report from several rounds of the same bench: each row's rate, seconds and share of the ceiling are
+    medians over the rounds, its peak memory the largest; fastppl's ratio to a peer is the median of the
+    rounds' own ratios (each compares two passes minutes apart, not passes of different rounds), with their
+    range. Each rate's rounds are kept (tokens_per_second_rounds), as is the ceiling's."""
+    first = reports[0]
+    merged = {**first, "rounds": len(reports),
+              "matmul_ceiling_flops": float(np.median([r["matmul_ceiling_flops"] for r in reports])),
+              "matmul_ceiling_rounds": [r["matmul_ceiling_flops"] for r in reports]}
+    rows = []
+    for position, row in enumerate(first["rows"]):
+        same = [r["rows"][position] for r in reports]
+        assert all(other["name"] == row["name"] for other in same), "the rounds ran different peers"
+        peaks = [other["peak_memory_bytes"] for other in same if other["peak_memory_bytes"] is not None]
+        ratios = [other["fastppl_speedup"] for other in same]
+        known = [ratio for ratio in ratios if ratio is not None]
+        rows.append({
+            **row,
+            "seconds": float(np.median([other["seconds"] for other in same])),
+            "tokens_per_second": float(np.median([other["tokens_per_second"] for other in same])),
+            "tokens_per_second_rounds": [other["tokens_per_second"] for other in same],
+            "share_of_ceiling": float(np.median([other["share_of_ceiling"] for other in same])),
+            "peak_memory_bytes": max(peaks) if peaks else None,
+            "fastppl_speedup": float(np.median(known)) if known else None,
+            "fastppl_speedup_range": [min(known), max(known)] if known else None,
+        })
+    merged["rows"] = rows
+    return merged
+
+
 def format_table(report: dict) -> str:
+    rounds = report.get("rounds", 1)
     lines = [f"fastppl bench  {report['model']}  seq {report['seq_len']}  batch {report['batch_size']}  "
-             f"{report['device_name']}  torch {report['torch']}  ceiling {report['matmul_ceiling_flops'] / 1e12:.3g} TFLOP/s",
-             f"{'what':<14}{'tokens/s':>14}{'% ceiling':>11}{'peak GiB':>10}{'fastppl x':>11}  note"]
+             f"{report['device_name']}  torch {report['torch']}  ceiling {report['matmul_ceiling_flops'] / 1e12:.3g} TFLOP/s"
+             + (f"  median of {rounds} rounds" if rounds > 1 else ""),
+             f"{'what':<14}{'tokens/s':>14}{'% ceiling':>11}{'peak GiB':>10}{'fastppl x':>11}"
+             + (f"{'x range':>13}{'tok/s range':>13}" if rounds > 1 else "") + "  note"]
     for r in report["rows"]:
         peak = "n/a" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**30:.2f}"
         speedup = "" if r["fastppl_speedup"] is None else f"{r['fastppl_speedup']:.2f}"
+        spread = ""
+        if rounds > 1:
+            low, high = r["fastppl_speedup_range"] or (None, None)
+            ratio_range = "" if low is None else f"{low:.2f}-{high:.2f}"
+            rates = r["tokens_per_second_rounds"]
+            # the rounds' spread around the median, as a share of it
+            rate_range = f"{(min(rates) - r['tokens_per_second']) / r['tokens_per_second']:+.1%}/" \
+                         f"{(max(rates) - r['tokens_per_second']) / r['tokens_per_second']:+.1%}"
+            spread = f"{ratio_range:>13}{rate_range:>13}"
         lines.append(f"{r['name']:<14}{r['tokens_per_second']:>14,.0f}{100 * r['share_of_ceiling']:>10.1f}%"
-                     f"{peak:>10}{speedup:>11}  {r['note']}")
+                     f"{peak:>10}{speedup:>11}{spread}  {r['note']}")
     return "\n".join(lines)

@@ -182,7 +182,7 @@ def run_eval(args: argparse.Namespace) -> int:
 _BENCH_SCORING_ONLY = {"--tokens": ("tokens", 1_048_576), "--naive-tokens": ("naive_tokens", None),
                        "--loss": ("loss", "auto"), "--variants": ("variants", False), "--nproc": ("nproc", None),
                        "--tokenizer": ("tokenizer", None), "--corpus": ("corpus", "dense"),
-                       "--documents": ("documents", 10_000), "--compile": ("compile", "auto")}
+                       "--documents": ("documents", 10_000), "--compile": ("compile", "auto"), "--rounds": ("rounds", 1)}
 _BENCH_GENERATE_ONLY = {"--batch-sizes": ("batch_sizes", "1,64"), "--new-tokens": ("new_tokens", 256),
                         "--prompt-tokens": ("prompt_tokens", 32)}
 
@@ -206,6 +206,8 @@ def run_bench(args: argparse.Namespace) -> int:
         DecodeOptions.from_env()   # a bad FASTPPL_DECODE fails now, not after the models are built
         from .bench_generate import run_from_args as run_generate_bench
         return run_generate_bench(args)
+    if args.rounds != 1 and (args.nproc is not None or args.corpus == "docs"):
+        raise FastpplError("--rounds applies to the peers' bench (--corpus dense, no --nproc) only; drop it")
     if args.nproc is not None or args.corpus == "docs":
         # these measure fastppl alone on GPT-2-shaped rows: the dense bench's defaults
         args.seq = args.seq or 1024
@@ -216,14 +218,15 @@ def run_bench(args: argparse.Namespace) -> int:
     import sys as _sys
     if args.corpus == "docs":
         return run_bench_docs(args)
-    from .bench import format_table, run_bench as bench
+    from .bench import format_table, run_bench_rounds
     from .report import check_writable, write_json
     if args.json:
         check_writable(args.json, "--json")
     log = (lambda line: None) if args.quiet else (lambda line: print(line, file=_sys.stderr, flush=True))
     peers = args.peers.split(",") if args.peers else None
-    report = bench(args.model, args.tokens, args.seq, args.batch_size, args.device, peers, args.loss,
-                   args.naive_tokens, log, args.variants, args.compile)
+    report = run_bench_rounds(args.rounds, log, model_spec=args.model, n_tokens=args.tokens, seq_len=args.seq,
+                              batch_size=args.batch_size, device_name=args.device, peers=peers, loss=args.loss,
+                              naive_tokens=args.naive_tokens, variants=args.variants, compile=args.compile)
     if args.json:
         write_json(args.json, report)
     print(format_table(report))
@@ -379,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
                               help="--corpus docs: documents")
     bench_parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                               help="compile fastppl's scorer (auto: as eval would for this many tokens)")
+    bench_parser.add_argument("--rounds", type=_at_least(1), default=_BENCH_SCORING_ONLY["--rounds"][1],
+                              help="run every peer this many times, one round after another; the table gives medians "
+                                   "and the rounds' range (3 for a figure to quote)")
     bench_parser.add_argument("--quiet", action="store_true")
     bench_parser.set_defaults(run=run_bench)
 
