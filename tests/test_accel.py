@@ -96,32 +96,62 @@ def test_bench_cpu_path(tmp_path, capsys, sharpened_random_models):
     assert "fastppl" in capsys.readouterr().out
 
 
+def _bench_report(rates: dict, ceiling: float, peak: int) -> dict:
+    """A one-round bench report with the given {peer: tokens/s}; fastppl's ratio against each when it ran."""
+    fast = rates.get("fastppl")
+    rows = [{"name": name, "tokens": 1000, "seconds": 1000 / rate, "tokens_per_second": rate,
+             "share_of_ceiling": rate * 2 / ceiling, "nll": 10.0, "peak_memory_bytes": None if name == "fastppl" else peak,
+             "fastppl_speedup": fast / rate if fast else None, "note": f"{name}, warm-up 3.0 s"}
+            for name, rate in rates.items()]
+    return {"model": "random:x", "seq_len": 8, "batch_size": 2, "device_name": "cpu", "torch": "t",
+            "matmul_ceiling_flops": ceiling, "flops_per_token": 2, "rows": rows}
+
+
 def test_bench_rounds_merge_to_medians_and_the_median_of_each_rounds_own_ratio():
     from fastppl.bench import format_table, merge_rounds
-
-    def report(peer_rate, fastppl_rate, ceiling, peak):
-        rows = [{"name": name, "tokens": 1000, "seconds": 1000 / rate, "tokens_per_second": rate,
-                 "share_of_ceiling": rate / ceiling, "nll": 10.0, "peak_memory_bytes": memory,
-                 "fastppl_speedup": fastppl_rate / rate, "note": name}
-                for name, rate, memory in (("hf-compiled", peer_rate, peak), ("fastppl", fastppl_rate, None))]
-        return {"model": "random:x", "seq_len": 8, "batch_size": 2, "device_name": "cpu", "torch": "t",
-                "matmul_ceiling_flops": ceiling, "rows": rows}
-
-    # per-round ratios 2, 1, 3: their median is 2, while the ratio of the medians would be 150 / 50 = 3
-    merged = merge_rounds([report(50, 100, 1e12, 5), report(200, 200, 3e12, 7), report(50, 150, 2e12, 6)])
+    # per-round ratios 1, 3, 2: their median is 2, while the ratio of the medians would be 150 / 50 = 3;
+    # neither the medians nor the extremes are the first round's
+    merged = merge_rounds([_bench_report({"hf-compiled": 200, "fastppl": 200}, 3e12, 7),
+                           _bench_report({"hf-compiled": 50, "fastppl": 150}, 1e12, 5),
+                           _bench_report({"hf-compiled": 50, "fastppl": 100}, 2e12, 6)])
     peer, fast = merged["rows"]
     assert merged["rounds"] == 3 and merged["matmul_ceiling_flops"] == 2e12
-    assert merged["matmul_ceiling_rounds"] == [1e12, 3e12, 2e12]
+    assert merged["matmul_ceiling_rounds"] == [3e12, 1e12, 2e12]
     assert peer["tokens_per_second"] == 50 and fast["tokens_per_second"] == 150
-    assert peer["tokens_per_second_rounds"] == [50, 200, 50] and peer["seconds"] == 20
+    assert peer["tokens_per_second_rounds"] == [200, 50, 50] and peer["seconds"] == 20
     assert peer["fastppl_speedup"] == 2 and peer["fastppl_speedup_range"] == [1, 3]
     assert fast["fastppl_speedup"] == 1 and fast["fastppl_speedup_range"] == [1, 1]
-    assert peer["share_of_ceiling"] == pytest.approx(np.median([50 / 1e12, 200 / 3e12, 50 / 2e12]))
+    assert peer["share_of_ceiling"] == pytest.approx(50 * 2 / 2e12, rel=1e-12, abs=0)   # median rate / ceiling
     assert peer["peak_memory_bytes"] == 7 and fast["peak_memory_bytes"] is None
+    assert peer["note"] == "hf-compiled, warm-up 3.0 s (round 1)"
     table = format_table(merged)
     assert "median of 3 rounds" in table.splitlines()[0]
     peer_line = next(line for line in table.splitlines() if line.startswith("hf-compiled"))
+    fast_line = next(line for line in table.splitlines()[2:] if line.startswith("fastppl"))
     assert "1.00-3.00" in peer_line and "+0.0%/+300.0%" in peer_line, peer_line
+    assert "-33.3%/+33.3%" in fast_line, fast_line
+
+
+def test_bench_rounds_without_fastppl_or_with_a_rate_over_no_time():
+    from fastppl.bench import format_table, merge_rounds
+    merged = merge_rounds([_bench_report({"naive": r}, 1e12, 1) for r in (30, 10, 20)])
+    (naive,) = merged["rows"]
+    assert naive["tokens_per_second"] == 20 and naive["fastppl_speedup"] is None
+    assert naive["fastppl_speedup_range"] is None and "naive" in format_table(merged)
+    # a NaN rate (no time) is left out of the median and the range, whichever round it is
+    for order in ((float("nan"), 100, 200), (100, float("nan"), 200)):
+        merged = merge_rounds([_bench_report({"hf-bf16": 100, "fastppl": r}, 1e12, 1) for r in order])
+        peer = merged["rows"][0]
+        assert peer["fastppl_speedup_range"] == [1.0, 2.0] and peer["fastppl_speedup"] == 1.5
+        assert merged["rows"][1]["tokens_per_second"] == 150
+        format_table(merged)
+
+
+def test_bench_rounds_with_different_peers_are_refused():
+    from fastppl.bench import merge_rounds
+    from fastppl.errors import FastpplError
+    with pytest.raises(FastpplError, match="rounds ran different peers"):
+        merge_rounds([_bench_report({"hf-bf16": 1, "fastppl": 2}, 1e12, 1), _bench_report({"fastppl": 2}, 1e12, 1)])
 
 
 def test_bench_rounds_from_the_command_line(tmp_path, capsys):

@@ -58,12 +58,25 @@ def test_differences_against_the_first_run():
 
 
 def test_a_report_with_null_where_a_value_was_not_finite_compares(tmp_path, capsys):
-    """eval writes null for bits/byte without bytes (token-id input) or a rate without time: compare shows n/a."""
+    """eval writes null for bits/byte without bytes (token-id input), a rate without time, or a perplexity past
+    float64's range: compare shows n/a."""
     a = write(tmp_path / "a.json", make_result(3.0, 1.2, 1000.0))
     b = write(tmp_path / "b.json", {**make_result(3.1), "bits_per_byte": None, "tokens_per_second": None})
-    assert main(["compare", a, b]) == 0
-    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("b "))
+    c = write(tmp_path / "c.json", {**make_result(3.0), "nll": 800.0, "ppl": None})
+    assert main(["compare", a, b, c]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    row = next(line for line in lines if line.startswith("b "))
     assert "+0.100000" in row and row.count("n/a") == 4, row   # bits/byte, its difference, tokens/s, speed
+    row = next(line for line in lines if line.startswith("c "))
+    assert "+797.000000" in row and row.count("n/a") == 2, row   # PPL and its difference
+
+
+@needs_matplotlib
+def test_a_null_perplexity_is_drawn_as_n_a(tmp_path, capsys):
+    a = write(tmp_path / "a.json", make_result(3.0))
+    c = write(tmp_path / "c.json", {**make_result(3.0), "nll": 800.0, "ppl": None})
+    assert main(["compare", a, c, "--plot", str(tmp_path / "nll.png")]) == 0
+    assert png_size(tmp_path / "nll.png") == (800, 450)
 
 
 def test_compare_table_shows_the_differences(tmp_path, capsys):

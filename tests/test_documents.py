@@ -152,6 +152,18 @@ def test_unicode_crlf_bytes_words_and_metrics(tokenizer_dir, corpus_dir):
     assert result["bits_per_byte"] == pytest.approx(result["nll_sum"] / math.log(2) / n_bytes, rel=1e-12)
 
 
+def test_perplexities_past_float64s_range_are_inf_not_an_error(tmp_path):
+    """A broken model's mean NLL above ~709.78 nats: exp overflows. The run reports inf (null in the JSON)."""
+    from fastppl.metrics import per_unit_metrics, perplexity
+    from fastppl.report import write_json
+    assert perplexity(709.0) == pytest.approx(math.exp(709.0)) and perplexity(710.0) == math.inf
+    metrics = per_unit_metrics(2400.0, 0, 3)
+    assert metrics["word_perplexity"] == math.inf and math.isnan(metrics["byte_perplexity"])
+    write_json(str(tmp_path / "r.json"), {"ppl": perplexity(800.0), **metrics})
+    assert json.loads((tmp_path / "r.json").read_text()) == {"ppl": None, "words": 3, "word_perplexity": None,
+                                                             "byte_perplexity": None}
+
+
 def test_lm_eval_word_count_rule():
     assert lm_eval_word_count("a b") == 2
     assert lm_eval_word_count("a  \n\tb") == 2

@@ -17,6 +17,7 @@ SwiGLU: 3 * d * intermediate); the last term is causal QK^T and AV, (T + 1) / 2 
 from __future__ import annotations
 
 import gc
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -297,27 +298,39 @@ def merge_rounds(reports: list[dict]) -> dict:
     """One report from several rounds of the same bench: each row's rate, seconds and share of the ceiling are
     medians over the rounds, its peak memory the largest; fastppl's ratio to a peer is the median of the
     rounds' own ratios (each compares two passes minutes apart, not passes of different rounds), with their
-    range. Each rate's rounds are kept (tokens_per_second_rounds), as is the ceiling's."""
+    range; seconds and share of the ceiling follow from the median rate and the median ceiling. Each rate's
+    rounds are kept (tokens_per_second_rounds), as is the ceiling's. A note's warm-up is the first round's (later
+    rounds reuse what it compiled)."""
     first = reports[0]
+    names = [row["name"] for row in first["rows"]]
+    if any([row["name"] for row in r["rows"]] != names for r in reports):
+        raise FastpplError("the bench's rounds ran different peers; their rows cannot be merged")
+
+    def median(values) -> float:
+        finite = [v for v in values if v is not None and math.isfinite(v)]   # a rate over no time is NaN
+        return float(np.median(finite)) if finite else float("nan")
+
     merged = {**first, "rounds": len(reports),
-              "matmul_ceiling_flops": float(np.median([r["matmul_ceiling_flops"] for r in reports])),
+              "matmul_ceiling_flops": median(r["matmul_ceiling_flops"] for r in reports),
               "matmul_ceiling_rounds": [r["matmul_ceiling_flops"] for r in reports]}
     rows = []
     for position, row in enumerate(first["rows"]):
         same = [r["rows"][position] for r in reports]
-        assert all(other["name"] == row["name"] for other in same), "the rounds ran different peers"
         peaks = [other["peak_memory_bytes"] for other in same if other["peak_memory_bytes"] is not None]
         ratios = [other["fastppl_speedup"] for other in same]
-        known = [ratio for ratio in ratios if ratio is not None]
+        known = [ratio for ratio in ratios if ratio is not None and math.isfinite(ratio)]
+        rate = median(other["tokens_per_second"] for other in same)
         rows.append({
             **row,
-            "seconds": float(np.median([other["seconds"] for other in same])),
-            "tokens_per_second": float(np.median([other["tokens_per_second"] for other in same])),
+            # seconds and share follow from the median rate, so that the row's figures agree with each other
+            "seconds": row["tokens"] / rate if rate > 0 else float("nan"),
+            "tokens_per_second": rate,
             "tokens_per_second_rounds": [other["tokens_per_second"] for other in same],
-            "share_of_ceiling": float(np.median([other["share_of_ceiling"] for other in same])),
+            "share_of_ceiling": rate * first["flops_per_token"] / merged["matmul_ceiling_flops"],
             "peak_memory_bytes": max(peaks) if peaks else None,
             "fastppl_speedup": float(np.median(known)) if known else None,
             "fastppl_speedup_range": [min(known), max(known)] if known else None,
+            "note": row["note"] + (" (round 1)" if "warm-up" in row["note"] else ""),
         })
     merged["rows"] = rows
     return merged
@@ -337,7 +350,7 @@ def format_table(report: dict) -> str:
         if rounds > 1:
             low, high = r["fastppl_speedup_range"] or (None, None)
             ratio_range = "" if low is None else f"{low:.2f}-{high:.2f}"
-            rates = r["tokens_per_second_rounds"]
+            rates = [rate for rate in r["tokens_per_second_rounds"] if math.isfinite(rate)] or [math.nan]
             # the rounds' spread around the median, as a share of it
             rate_range = f"{(min(rates) - r['tokens_per_second']) / r['tokens_per_second']:+.1%}/" \
                          f"{(max(rates) - r['tokens_per_second']) / r['tokens_per_second']:+.1%}"

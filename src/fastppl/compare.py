@@ -89,7 +89,7 @@ def _is_number(value) -> bool:
 
 # the fields compare reads: a check each (absent optional fields are fine)
 _FIELD_TYPES = {
-    # reports write null where a value is not finite (ppl past exp's range, bits/byte with no bytes)
+    # reports write null where a value is not finite (ppl past float64's range, bits/byte with no bytes)
     "nll": _is_number, "ppl": lambda v: v is None or _is_number(v),
     "tokens_scored": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
     "tokens_per_second": lambda v: v is None or _is_number(v),

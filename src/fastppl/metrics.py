@@ -14,13 +14,16 @@ def lm_eval_word_count(text: str) -> int:
     return len(_WHITESPACE.split(text))
 
 
+def perplexity(nll: float) -> float:
+    """exp(nll), inf past float64's range (a mean NLL above ~709.78 nats) instead of OverflowError."""
+    try:
+        return math.exp(nll)
+    except OverflowError:
+        return float("inf")
+
+
 def per_unit_metrics(nll_sum: float, n_bytes: int, n_words: int) -> dict:
     """word_perplexity = exp(nll_sum / words), byte_perplexity = exp(nll_sum / bytes)."""
     def exp_per(n: int) -> float:
-        if not n:
-            return float("nan")
-        try:
-            return math.exp(nll_sum / n)
-        except OverflowError:
-            return float("inf")
+        return perplexity(nll_sum / n) if n else float("nan")
     return {"words": n_words, "word_perplexity": exp_per(n_words), "byte_perplexity": exp_per(n_bytes)}

@@ -32,7 +32,7 @@ from .engine.precision import resolve_device, resolve_dtype
 from .engine.loss import resolve_loss
 from .engine.score import DeviceSums, make_score_fn, score_batches, score_plans
 from .errors import FastpplError
-from .metrics import lm_eval_word_count, per_unit_metrics
+from .metrics import lm_eval_word_count, per_unit_metrics, perplexity
 from .models import load_model
 from .models.attention import document_attention_backend, varlen_available, varlen_failure
 from .progress import Progress
@@ -323,7 +323,7 @@ def evaluate(config: EvalConfig) -> dict:
     wall = time.perf_counter() - started
     result = {
         "nll": nll,
-        "ppl": math.exp(nll),
+        "ppl": perplexity(nll),
         "nll_sum": nll_sum,
         "tokens_scored": n_scored,
         "tokens_total": n_tokens,

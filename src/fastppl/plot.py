@@ -103,9 +103,9 @@ def _draw_loss_by_position(axes, results: Sequence[dict], labels: Sequence[str],
             half = [1.96 * s / math.sqrt(n) if n else math.nan for s, n in zip(std, counts)]
             axes.fill_between(tokens_read, [m - h for m, h in zip(mean, half)], [m + h for m, h in zip(mean, half)],
                               color=color, alpha=0.35, linewidth=0, label="95 % interval of the mean")
-        ppl = result.get("ppl", math.exp(result["nll"]))
+        ppl = result.get("ppl")   # null in a report where it was past float64's range
         axes.axhline(result["nll"], color=color, linestyle="--", linewidth=1.0,
-                     label=f"{label}: overall NLL {result['nll']:.4f} (ppl {ppl:,.2f})")
+                     label=f"{label}: overall NLL {result['nll']:.4f} (ppl {'n/a' if ppl is None else f'{ppl:,.2f}'})")
     axes.set_xscale("log")
     from matplotlib.ticker import FuncFormatter
     axes.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))   # 1, 10, 100 rather than 10^k
