@@ -97,6 +97,21 @@ def test_subprocess_truncated_checkpoint(tmp_path, checkpoint, text, outputs, to
     _assert_user_error(proc.returncode, proc.stderr, outputs, "model.safetensors", "corrupt or truncated")
 
 
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path, text, tokenizer_dir):
+    """`fastppl eval ... | head -1`: stdout's reader is gone before the summary is printed. Before, a
+    BrokenPipeError traceback and exit 1; now the report is written, nothing is said, exit 141 (128 + SIGPIPE)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    report = tmp_path / "r.json"
+    proc = subprocess.Popen([sys.executable, "-m", "fastppl", "eval", "--model", TINY, "--data", str(text), "--tokenizer",
+                             str(tokenizer_dir), "--device", "cpu", "--quiet", "--ctx", "16", "--json", str(report)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()   # long before the summary: the process is still importing torch
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and err == "", err
+    assert json.loads(report.read_text())["tokens_scored"] > 0
+
+
 def test_subprocess_help_and_usage():
     proc = _subprocess(["eval", "--help"])
     assert proc.returncode == 0 and proc.stderr == ""

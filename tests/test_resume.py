@@ -107,9 +107,13 @@ def test_finished_checkpoint_reruns_without_scoring_and_other_arguments_are_refu
     error = capsys.readouterr().err
     assert "other arguments" in error and "batch_size: 2 then, 3 now" in error and "Traceback" not in error
 
-    (checkpoint_dir / CHECKPOINT_FILE).write_bytes(b"not a checkpoint")
-    assert main(args) == 2
-    assert "is not a readable fastppl checkpoint" in capsys.readouterr().err
+    whole = (checkpoint_dir / CHECKPOINT_FILE).read_bytes()
+    # cut in half (a BadZipFile traceback before), empty (EOFError), not a zip at all
+    for damaged in (whole[:len(whole) // 2], b"", b"not a checkpoint"):
+        (checkpoint_dir / CHECKPOINT_FILE).write_bytes(damaged)
+        assert main(args) == 2
+        error = capsys.readouterr().err
+        assert "is not a readable fastppl checkpoint" in error and error.count("\n") == 1, error
 
     not_a_directory = tmp_path / "file"
     not_a_directory.write_text("x")

@@ -116,10 +116,11 @@ def test_cache_is_keyed_by_the_tokenizer_file(cache, gpt2, tokenizer_dir, tmp_pa
     assert np.array_equal(other_ids, other.encode(LONG_TEXT))
 
 
-def test_damaged_cache_entry_is_recomputed(cache, gpt2):
+@pytest.mark.parametrize("damage", [b"not an npy file", b""])   # b"": np.load raised EOFError, a traceback
+def test_damaged_cache_entry_is_recomputed(cache, gpt2, damage):
     ids = encode_cached(gpt2, LONG_TEXT)
     [entry] = (cache / "tokens").glob("*.npy")
-    entry.write_bytes(b"not an npy file")
+    entry.write_bytes(damage)
     assert np.array_equal(encode_cached(gpt2, LONG_TEXT), ids)
 
 
@@ -215,6 +216,32 @@ def test_tokenizer_json_fast_path_equals_transformers(tokenizer_dir, shakespeare
     assert fast.encode(text).tolist() == reference(text, add_special_tokens=False)["input_ids"]
     assert (fast.bos_id, fast.eos_id, fast.vocab_size) == (reference.bos_token_id, reference.eos_token_id, len(reference))
     assert fast.decode(fast.encode(text)) == text
+
+
+@pytest.mark.parametrize("files, end_of_text", [
+    # the hub's own gpt2: tokenizer_config.json holds only the length; GPT2TokenizerFast's defaults give BOS/EOS
+    ({"tokenizer_config.json": {"model_max_length": 1024}, "config.json": {"model_type": "gpt2"}}, 50256),
+    # specials named in special_tokens_map.json only
+    ({"tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast"},
+      "special_tokens_map.json": {"bos_token": "<|endoftext|>", "eos_token": {"content": "<|endoftext|>"}}}, 50256),
+    # a generic fast tokenizer that names no specials has none (no GPT-2 default)
+    ({"tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast"}}, None),
+], ids=["hub-gpt2", "special-tokens-map", "no-specials"])
+def test_fast_path_finds_bos_and_eos_where_transformers_does(tmp_path, tokenizer_dir, files, end_of_text):
+    """Before, only tokenizer_config.json was read for them: eval with the hub's gpt2 tokenizer stopped with
+    "no BOS or end-of-text token"."""
+    import json as json_module
+    from transformers import AutoTokenizer
+    from fastppl.data.tokenize import load_tokenizer
+    directory = tmp_path / "tok"
+    directory.mkdir()
+    shutil.copy(tokenizer_dir / "tokenizer.json", directory / "tokenizer.json")
+    for name, content in files.items():
+        (directory / name).write_text(json_module.dumps(content))
+    fast = load_tokenizer(str(directory))
+    reference = AutoTokenizer.from_pretrained(str(directory))
+    assert (fast.bos_id, fast.eos_id) == (reference.bos_token_id, reference.eos_token_id)
+    assert fast.bos_id == fast.eos_id == end_of_text
 
 
 def test_hub_tokenizer_goes_through_the_fast_path(tokenizer_dir, monkeypatch):

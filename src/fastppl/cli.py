@@ -421,6 +421,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"fastppl: error: out of memory ({first_line(e, 120)}); use a smaller batch, fewer prompts or a "
               "smaller model", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader of stdout left early (`fastppl eval ... | head -1`); output files are written before printing.
+        # stdout goes to /dev/null so that the interpreter's last flush does not fail again on the way out.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141   # 128 + SIGPIPE, what a shell reports for a writer killed by its pipe
     except OSError as e:   # a path the checks above did not foresee (too long, unreadable, ...)
         if e.filename is None:
             raise   # not about a path the user gave: a real failure, with its traceback

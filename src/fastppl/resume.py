@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import time
+import zipfile
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -98,7 +99,7 @@ class Checkpointer:
             with np.load(self.path, allow_pickle=False) as stored:
                 arrays = {name: stored[name] for name in stored.files}
             meta = json.loads(str(arrays.pop("meta")))
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):   # cut short, empty, or not a zip
             raise FastpplError(f"{self.path}: is not a readable fastppl checkpoint; delete it to start over") from None
         saved = meta.get("fingerprint", {})
         if saved != self.fingerprint:

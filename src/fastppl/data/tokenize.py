@@ -59,6 +59,30 @@ def _special_token(config: dict, key: str):
     return value.get("content") if isinstance(value, dict) else value
 
 
+# GPT-2's tokenizer classes default bos, eos and unk to this token when no file names them; the hub's own gpt2
+# tokenizer_config.json holds only {"model_max_length": 1024}
+GPT2_END_OF_TEXT = "<|endoftext|>"
+
+
+def _special_ids(directory: Path, config: dict, backend) -> dict:
+    """{"bos_token": id or None, "eos_token": id or None}, where transformers finds them: tokenizer_config.json,
+    then special_tokens_map.json, then (GPT-2's classes, or no class named) GPT-2's default <|endoftext|>."""
+    import json
+    try:
+        special_map = json.loads((directory / "special_tokens_map.json").read_text())
+    except (OSError, ValueError):
+        special_map = {}
+    gpt2_class = config.get("tokenizer_class") in (None, "GPT2Tokenizer", "GPT2TokenizerFast")
+    ids = {}
+    for key in ("bos_token", "eos_token"):
+        token = _special_token(config, key) or (_special_token(special_map, key) if isinstance(special_map, dict)
+                                                 else None)
+        if token is None and gpt2_class:
+            token = GPT2_END_OF_TEXT
+        ids[key] = backend.token_to_id(token) if isinstance(token, str) else None
+    return ids
+
+
 def _load_tokenizer_json(directory: Path, name: str) -> Optional[Tokenizer]:
     """A local tokenizer.json read by `tokenizers` alone: about 0.1 s, where transformers' AutoTokenizer
     took 6.8 s on the H200 machine (its import, then rebuilding the tokenizer; docs/BENCHMARKS.md).
@@ -78,8 +102,7 @@ def _load_tokenizer_json(directory: Path, name: str) -> Optional[Tokenizer]:
         return None
     if config.get("add_prefix_space") or config.get("add_bos_token") or config.get("add_eos_token"):
         return None
-    ids = {key: backend.token_to_id(token) if isinstance(token, str) else None
-           for key in ("bos_token", "eos_token") for token in [_special_token(config, key)]}
+    ids = _special_ids(directory, config, backend)
     bos_id = ids["bos_token"] if ids["bos_token"] is not None else ids["eos_token"]
     return Tokenizer(backend=backend, name=name, fingerprint=fingerprint, bos_id=bos_id,
                      eos_id=ids["eos_token"], vocab_size=backend.get_vocab_size(with_added_tokens=True))
@@ -97,9 +120,9 @@ def _load_vocab_merges(directory: Path, name: str) -> Optional[Tokenizer]:
         return None
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    end_of_text = backend.token_to_id("<|endoftext|>")
+    end_of_text = backend.token_to_id(GPT2_END_OF_TEXT)
     if end_of_text is not None:
-        backend.add_special_tokens([AddedToken("<|endoftext|>", special=True, normalized=False)])
+        backend.add_special_tokens([AddedToken(GPT2_END_OF_TEXT, special=True, normalized=False)])
     return Tokenizer(backend=backend, name=name, fingerprint=_fingerprint(backend), bos_id=end_of_text,
                      eos_id=end_of_text, vocab_size=backend.get_vocab_size(with_added_tokens=True))
 
@@ -175,7 +198,7 @@ def encode_cached(tokenizer: Tokenizer, text: str, use_cache: bool = True) -> np
     if use_cache and path.exists():
         try:
             return np.load(path).astype(np.int64)
-        except (OSError, ValueError):
+        except (OSError, ValueError, EOFError):   # EOFError: a 0-byte file
             pass  # a damaged cache entry is simply recomputed
     ids = tokenizer.encode(text)
     if use_cache and len(text) >= 4096:  # small texts tokenise faster than a file round trip
