@@ -105,7 +105,7 @@ def test_nproc_is_removed_from_the_relaunched_command():
     argv = ["eval", "--model", "m", "--nproc", "2", "--data", "d", "--nproc=3", "--npr", "4", "--quiet"]
     assert without_nproc(argv) == ["eval", "--model", "m", "--data", "d", "--quiet"]
     command = torchrun_command(2, ["eval", "--model", "m"])
-    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert command[:3] == [sys.executable, "-m", "fastppl.launch"]
     assert command[3:] == ["--standalone", "--nproc-per-node", "2", "-m", "fastppl", "eval", "--model", "m"]
 
 
@@ -212,6 +212,20 @@ def test_nproc_shortcut_runs_torchrun(tmp_path, tokenizer_dir):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("perplexity") == 1          # only rank 0 prints the summary
     _assert_same(one, two, "docs_chunked")
+
+
+@pytest.mark.slow
+def test_nproc_bad_input_is_one_line_and_exit_2(tmp_path, tokenizer_dir):
+    """Every rank meets the same bad input: rank 0 says it once, and --nproc exits 2 as one process does. Before,
+    each rank printed it, then torchrun's ChildFailedError report and traceback followed, and the status was 1."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    done = subprocess.run([sys.executable, "-m", "fastppl", "eval", "--model", "random:gpt2-tiny", "--tokenizer",
+                           str(tokenizer_dir), "--device", "cpu", "--data", str(empty), "--nproc", "2"],
+                          env=_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr == f"fastppl: error: {empty}: is empty (or whitespace only); pass a file with text in it\n"
+    assert done.stdout == ""
 
 
 # ---------------------------------------------------------------------------------------------------------

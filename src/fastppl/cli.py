@@ -408,6 +408,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return args.run(args)
     except FastpplError as e:
         if not getattr(e, "silent", False):   # a rank's copy of another rank's error: rank 0 prints it
+            if "torch" in sys.modules:   # only a run that imported torch can be a rank
+                from .distributed import delay_a_ranks_error
+                delay_a_ranks_error()
             print(f"fastppl: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -373,15 +373,30 @@ def without_nproc(argv: Sequence[str]) -> list[str]:
     return out
 
 
+# set for the ranks that --nproc starts: a rank other than 0 waits RANK_ERROR_DELAY_S before printing an error, so
+# that an error every rank meets (bad input) is printed once, by rank 0, whose exit makes torchrun stop the others
+RELAUNCHED_ENV = "FASTPPL_NPROC_RANK"
+RANK_ERROR_DELAY_S = 2.0
+
+
 def torchrun_command(nproc: int, fastppl_argv: Sequence[str]) -> list[str]:
-    # --standalone: a rendezvous on localhost with a free port, so that several jobs can share a machine
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+    # fastppl.launch: torchrun, less its failure report (see there); --standalone: a rendezvous on localhost with a
+    # free port, so that several jobs can share a machine
+    return [sys.executable, "-m", "fastppl.launch", "--standalone", "--nproc-per-node", str(nproc),
             "-m", "fastppl", *fastppl_argv]
 
 
 def relaunch_under_torchrun(nproc: int, argv: Sequence[str]) -> int:
-    """Run `fastppl <argv>` as nproc ranks on this machine; torchrun's exit status is ours."""
+    """Run `fastppl <argv>` as nproc ranks on this machine; the first failed rank's exit status is ours."""
     if launch_env() is not None:
         raise FastpplError("--nproc starts torchrun itself; drop it when the command already runs under torchrun")
-    returncode = subprocess.run(torchrun_command(nproc, without_nproc(argv))).returncode
+    env = dict(os.environ, **{RELAUNCHED_ENV: "1"})
+    env.setdefault("OMP_NUM_THREADS", "1")   # what torchrun sets for several ranks, without its five-line banner
+    returncode = subprocess.run(torchrun_command(nproc, without_nproc(argv)), env=env).returncode
     return 128 - returncode if returncode < 0 else returncode   # killed by signal s: 128 + s, as a shell does
+
+
+def delay_a_ranks_error() -> None:
+    """Under --nproc, a rank other than 0 waits before printing its error: see RELAUNCHED_ENV."""
+    if os.environ.get(RELAUNCHED_ENV) and os.environ.get("RANK", "0") != "0":
+        time.sleep(RANK_ERROR_DELAY_S)
