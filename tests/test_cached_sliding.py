@@ -124,6 +124,10 @@ def test_kv_cache_choice():
     assert choose_kv_cache("off", "sliding", llama)[0] is False
     with pytest.raises(FastpplError, match="absolute position"):
         choose_kv_cache("on", "sliding", gpt2)
+    # a rotary model through transformers is not blamed on GPT-2's absolute positions
+    with pytest.raises(FastpplError, match="runs through transformers") as refused:
+        choose_kv_cache("on", "sliding", torch.nn.Linear(2, 2))
+    assert "absolute" not in str(refused.value)
     with pytest.raises(FastpplError, match="sliding only"):
         EvalConfig(model="random:llama-tiny", data=["x"], kv_cache="on")
 

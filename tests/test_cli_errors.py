@@ -532,6 +532,16 @@ def test_generate_options_that_would_be_ignored_or_crash(extra, fragment, tokeni
     assert rc == 2 and err.startswith("fastppl: error: ") and fragment in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("flag", ["--json", "--per-token", "--per-doc"])
+def test_an_output_of_dash_is_refused_not_written_as_a_file_named_dash(tmp_path, text, tokenizer_dir, capsys,
+                                                                       monkeypatch, flag):
+    monkeypatch.chdir(tmp_path)
+    rc, err = _main(capsys, ["eval", "--model", TINY, "--data", str(text), "--tokenizer", str(tokenizer_dir),
+                             "--device", "cpu", "--quiet", "--ctx", "16", flag, "-"])
+    assert rc == 2 and f"{flag} -: outputs go to files" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "-").exists()
+
+
 def test_json_path_with_a_trailing_slash_and_out_of_memory(tmp_path, tokenizer_dir, capsys):
     rc, err = _main(capsys, ["generate", "--model", TINY, "--tokenizer", str(tokenizer_dir), "--device", "cpu",
                              "--prompt", "hi", "--max-new-tokens", "2", "--json", str(tmp_path / "sub") + "/"])

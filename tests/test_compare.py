@@ -127,6 +127,32 @@ def test_the_same_corpus_by_another_path_is_comparable(tmp_path, capsys):
     assert main(["compare", a, b]) == 0
 
 
+def test_runs_compare_by_the_text_they_scored_not_the_file_names(tmp_path, capsys, tokenizer_dir):
+    """The helper's case: tinyshakespeare.txt by path against the built-in `tinyshakespeare` were refused as
+    other corpora (their names differ). Now the reports' corpus_sha256 decides: a renamed copy of the text is the
+    same corpus, other text under the same name is not."""
+    text = "Now is the winter of our discontent made glorious summer by this sun of York.\n" * 6
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    files = {"original": tmp_path / "one" / "text.txt", "renamed": tmp_path / "two" / "copy.txt",
+             "other": tmp_path / "two" / "text.txt"}
+    files["original"].write_text(text)
+    files["renamed"].write_text(text)
+    files["other"].write_text(text.replace("winter", "summer"))
+    reports = {}
+    for name, path in files.items():
+        reports[name] = str(tmp_path / f"{name}.json")
+        assert main(["eval", "--model", "random:gpt2-tiny", "--tokenizer", str(tokenizer_dir), "--data", str(path),
+                     "--device", "cpu", "--ctx", "32", "--quiet", "--json", reports[name]]) == 0
+    digests = {name: json.loads(open(path).read())["corpus_sha256"] for name, path in reports.items()}
+    assert digests["original"] == digests["renamed"] != digests["other"] and len(digests["other"]) == 64
+    capsys.readouterr()
+    assert main(["compare", reports["original"], reports["renamed"]]) == 0
+    capsys.readouterr()
+    assert main(["compare", reports["original"], reports["other"]]) == 2   # same name, same token count
+    assert "scored different text" in one_line_error(capsys)
+
+
 def test_bad_run_files_are_one_line_errors(tmp_path, capsys):
     good = write(tmp_path / "good.json", make_result())
     (tmp_path / "broken.json").write_text('{"nll": 3.0,')
@@ -165,6 +191,9 @@ def test_per_doc_worst_documents_and_largest_increases(tmp_path, capsys):
     assert "5.0000" in worst_a[0] and f"{250 / math.log(2) / 200:.4f}" in worst_a[0]   # NLL/token, bits/byte
     increases = out.split("largest per-document increases of b against a\n")[1].splitlines()[2:]
     assert increases[0].split()[0] == "doc:3" and "+1.0000" in increases[0]   # 2.0 -> 3.0
+    assert len(increases) == 1   # doc:1 (unchanged) and doc:2 (5.0 -> 4.5) did not rise: listed before
+    assert main(["compare", "--per-doc", a, a]) == 0
+    assert capsys.readouterr().out.endswith("\nnone: no document's NLL per token rose\n")
     summary = out.split("per-document NLL")[1].split("\n\n")[0]
     a_row = next(line for line in summary.splitlines() if line.startswith("a "))
     b_row = next(line for line in summary.splitlines() if line.startswith("b "))

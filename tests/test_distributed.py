@@ -275,6 +275,15 @@ def test_a_failing_rank_stops_the_other_with_its_error(tmp_path, tokenizer_dir):
     assert not (tmp_path / "r.json").exists()
 
 
+def test_a_crashing_rank_makes_the_others_exit_as_a_crash_not_as_bad_input(tmp_path, tokenizer_dir):
+    """Rank 0 reports rank 1's RuntimeError with rank 1's status (1), not 2, which means bad input."""
+    rank0, rank1 = _launch_without_torchrun(_long_job(tmp_path, tokenizer_dir), FASTPPL_TEST_FAIL="1:raise")
+    assert rank1.returncode == 1 and "RuntimeError: injected failure on rank 1" in rank1.stderr
+    assert rank0.returncode == 1
+    assert rank0.stderr.strip() == ("fastppl: error: rank 1 failed: RuntimeError: injected failure on rank 1 "
+                                    "(FASTPPL_TEST_FAIL)")
+
+
 @pytest.mark.slow
 def test_a_killed_rank_ends_the_job_after_the_timeout(tmp_path, tokenizer_dir):
     started = time.monotonic()

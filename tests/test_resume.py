@@ -100,6 +100,8 @@ def test_finished_checkpoint_reruns_without_scoring_and_other_arguments_are_refu
     assert main(args) == 0
     again = json.loads((tmp_path / "r.json").read_text())
     assert again["windows_scored_this_run"] == 0 and again["resumed_from_batch"] == first["batches"]
+    assert first["tokens_per_second"] > 0 and again["tokens_per_second"] is None   # nothing timed: not 0 tokens/s
+    assert "speed       n/a tokens/s" in capsys.readouterr().out
     assert all(again[field] == first[field] for field in EXACT_FIELDS)
 
     capsys.readouterr()

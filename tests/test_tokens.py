@@ -160,9 +160,12 @@ def test_builtin_with_wrong_sha_is_rejected(cache, shakespeare, tmp_path, damage
         load_documents("tinyshakespeare", "val", data_dir=str(tmp_path))
 
 
-def test_builtin_data_dir_without_the_file(cache, tmp_path):
-    with pytest.raises(FastpplError, match="no tinyshakespeare.txt in"):
+def test_builtin_data_dir_without_the_file(cache, tmp_path, monkeypatch):
+    with pytest.raises(FastpplError, match="no tinyshakespeare.txt in .*drop --data-dir$"):
         load_documents("tinyshakespeare", "val", data_dir=str(tmp_path))
+    monkeypatch.setenv("FASTPPL_DATA_DIR", str(tmp_path))   # the variable alone: the message names it, not --data-dir
+    with pytest.raises(FastpplError, match="no tinyshakespeare.txt in .*drop FASTPPL_DATA_DIR$"):
+        load_documents("tinyshakespeare", "val")
 
 
 def test_builtin_offline_without_a_copy(cache, tokenizer_dir, tmp_path, capsys):

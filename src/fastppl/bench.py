@@ -342,7 +342,7 @@ def format_table(report: dict) -> str:
              f"{report['device_name']}  torch {report['torch']}  ceiling {report['matmul_ceiling_flops'] / 1e12:.3g} TFLOP/s"
              + (f"  median of {rounds} rounds" if rounds > 1 else ""),
              f"{'what':<14}{'tokens/s':>14}{'% ceiling':>11}{'peak GiB':>10}{'fastppl x':>11}"
-             + (f"{'x range':>13}{'tok/s range':>13}" if rounds > 1 else "") + "  note"]
+             + (f"{'x range':>13}{'tok/s range':>16}" if rounds > 1 else "") + "  note"]
     for r in report["rows"]:
         peak = "n/a" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**30:.2f}"
         speedup = "" if r["fastppl_speedup"] is None else f"{r['fastppl_speedup']:.2f}"
@@ -354,7 +354,7 @@ def format_table(report: dict) -> str:
             # the rounds' spread around the median, as a share of it
             rate_range = f"{(min(rates) - r['tokens_per_second']) / r['tokens_per_second']:+.1%}/" \
                          f"{(max(rates) - r['tokens_per_second']) / r['tokens_per_second']:+.1%}"
-            spread = f"{ratio_range:>13}{rate_range:>13}"
+            spread = f"{ratio_range:>13}{rate_range:>16}"
         lines.append(f"{r['name']:<14}{r['tokens_per_second']:>14,.0f}{100 * r['share_of_ceiling']:>10.1f}%"
                      f"{peak:>10}{speedup:>11}{spread}  {r['note']}")
     return "\n".join(lines)

@@ -412,7 +412,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 from .distributed import delay_a_ranks_error
                 delay_a_ranks_error()
             print(f"fastppl: error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", 2)   # a peer's crash (PeerFailed) is not bad input
     except KeyboardInterrupt:
         print("fastppl: interrupted", file=sys.stderr)
         return 130

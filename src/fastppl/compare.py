@@ -121,10 +121,10 @@ def load_runs(paths: Sequence[str]) -> list[Run]:
 
 
 def corpus_key(result: dict) -> tuple:
+    """For reports without corpus_sha256 (fastppl before it)."""
     cfg = result["config"]
     # names, not full paths: the same file reached from two working directories is the same corpus
     return tuple(Path(d).name for d in cfg.get("data", [])), cfg.get("split", "all")
-
 
 
 
@@ -133,7 +133,14 @@ def check_comparable(runs: Sequence[Run], force: bool) -> None:
         return
     first = runs[0]
     for run in runs[1:]:
-        if corpus_key(run.result) != corpus_key(first.result):
+        digests = (first.result.get("corpus_sha256"), run.result.get("corpus_sha256"))
+        if None not in digests:   # reports since the digest: the text itself decides, not the file names
+            if digests[0] != digests[1]:
+                raise FastpplError(
+                    f"runs are not comparable: {first.label} and {run.label} scored different text "
+                    f"({corpus_label(first.result)}, {corpus_label(run.result)}: corpus_sha256 differs); "
+                    "pass --force to compare them anyway")
+        elif corpus_key(run.result) != corpus_key(first.result):
             raise FastpplError(
                 f"runs are not comparable: {first.label} scored {corpus_label(first.result)} but {run.label} scored "
                 f"{corpus_label(run.result)}; pass --force to compare them anyway"
@@ -286,13 +293,15 @@ def per_doc_report(doc_sets: Sequence[list[DocResult]], labels: Sequence[str], m
     if len(doc_sets) > 1:
         base = {d.id: d for d in kept_sets[0]}
         for kept, label in zip(kept_sets[1:], labels[1:]):
-            pairs = [(base[d.id], d) for d in kept if d.id in base]
+            # increases only: a document whose NLL fell is not one to look at here
+            pairs = [(base[d.id], d) for d in kept if d.id in base and d.nll > base[d.id].nll]
             pairs.sort(key=lambda p: -(p[1].nll - p[0].nll))
             rows = [[b.id, f"{b.tokens:,}", f"{a.nll:.4f}", f"{b.nll:.4f}", f"{b.nll - a.nll:+.4f}"]
                     for a, b in pairs[:worst]]
-            sections.append(f"largest per-document increases of {label} against {labels[0]}\n"
-                            + format_table(["id", "tokens", labels[0], label, "Δ"], rows, markdown,
-                                           [False, True, True, True, True]))
+            title = f"largest per-document increases of {label} against {labels[0]}"
+            sections.append(title + "\n" + (format_table(["id", "tokens", labels[0], label, "Δ"], rows, markdown,
+                                                         [False, True, True, True, True])
+                                            if rows else "none: no document's NLL per token rose"))
     return "\n\n".join(sections)
 
 

@@ -57,11 +57,14 @@ TEST_FAIL_ENV = "FASTPPL_TEST_FAIL"
 
 
 class PeerFailed(FastpplError):
-    """Another rank failed first. `silent` ranks (all but rank 0) leave printing it to rank 0."""
+    """Another rank failed first. `silent` ranks (all but rank 0) leave printing it to rank 0. exit_code is the
+    one the failed rank exits with (2 for bad input, 1 for a crash, 130 when interrupted), so that every rank of
+    the job, and `--nproc`, report the same kind of failure."""
 
-    def __init__(self, message: str, silent: bool):
+    def __init__(self, message: str, silent: bool, exit_code: int = 2):
         super().__init__(message)
         self.silent = silent
+        self.exit_code = exit_code
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -173,11 +176,11 @@ class Distributed:
         return self.rank == 0
 
     # failures ---------------------------------------------------------------------------------------------
-    def publish_failure(self, message: str) -> None:
+    def publish_failure(self, message: str, exit_code: int = 2) -> None:
         self.failed = True
         try:
             # first writer wins: compare_set only writes when the key is absent
-            self.store.compare_set("failure", "", f"rank {self.rank}: {message}")
+            self.store.compare_set("failure", "", f"{exit_code}|rank {self.rank}: {message}")
         except Exception:
             pass  # the store is gone (its host died): the others find out through it as well
 
@@ -189,8 +192,9 @@ class Distributed:
         self._last_poll = now
         if self._store_check(["failure"]):
             message = self._store(lambda store: store.get("failure")).decode("utf-8", errors="replace")
+            exit_code, _, message = message.partition("|")
             rank, _, reason = message.partition(": ")
-            raise PeerFailed(f"{rank} failed: {reason}", silent=not self.is_main)
+            raise PeerFailed(f"{rank} failed: {reason}", silent=not self.is_main, exit_code=int(exit_code))
 
     def wait_for_peers(self, stage: str) -> None:
         """A barrier through the store that also watches for failures, so it never waits on a dead rank
@@ -220,7 +224,7 @@ class Distributed:
             return call(self.store)
         except RuntimeError:   # DistNetworkError & co: the store's host has gone
             raise PeerFailed("lost the rendezvous store: rank 0 (or torchrun on the first machine) has stopped; "
-                             "its log has the reason", silent=False) from None
+                             "its log has the reason", silent=False, exit_code=1) from None
 
     def _store_check(self, keys: list[str]) -> bool:
         return self._store(lambda store: store.check(keys))
@@ -324,6 +328,13 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0][:300]}" if text else type(error).__name__
 
 
+def _exit_code(error: BaseException) -> int:
+    """What fastppl.cli exits with for error: 2 for bad input, 130 when interrupted, 1 for a crash."""
+    if isinstance(error, FastpplError):
+        return getattr(error, "exit_code", 2)
+    return 130 if isinstance(error, KeyboardInterrupt) else 1
+
+
 def stop_all_on_failure(fn):
     """Decorator: an exception in this rank is published so that the other ranks stop too."""
     @functools.wraps(fn)
@@ -332,7 +343,7 @@ def stop_all_on_failure(fn):
             return fn(*args, **kwargs)
         except BaseException as error:
             if _active is not None and not _active.failed and not isinstance(error, PeerFailed):
-                _active.publish_failure(_describe(error))
+                _active.publish_failure(_describe(error), _exit_code(error))
             raise
     return wrapper
 

@@ -22,7 +22,7 @@ from .accel.fused_mlp import fuse_mlp_epilogue
 from .accel.warm_up import start_cuda_warm_up
 from .config import EvalConfig
 from .data.batching import WindowRef, batch_from_plan, make_batch
-from .data.corpus import Document, load_documents
+from .data.corpus import Document, corpus_sha256, load_documents
 from .data.packing import padding_waste, plan_batches, resolve_batching, split_rows
 from .data.tokenize import Tokenizer, encode_cached, load_tokenizer
 from .data.windows import chunked_windows, sliding_windows
@@ -332,6 +332,7 @@ def evaluate(config: EvalConfig) -> dict:
         "bits_per_byte": nll_sum / math.log(2) / n_bytes if n_bytes else float("nan"),
         **per_unit_metrics(nll_sum, n_bytes, n_words),
         "documents": len(documents),
+        "corpus_sha256": corpus_sha256(documents),
         "documents_skipped": len(documents) - len(scored_documents),
         "windows": len(refs),
         # the cached sliding path scores document rows of its own, not the planned batches
@@ -359,7 +360,9 @@ def evaluate(config: EvalConfig) -> dict:
         "wall_seconds": wall,
         "scoring_seconds": scoring_seconds,
         "stage_seconds": timings,
-        "tokens_per_second": (n_scored - scored_before) / scoring_seconds if scoring_seconds > 0 else float("nan"),
+        # this run's tokens over this run's time (a resumed run timed only what it scored; a finished one, nothing)
+        "tokens_per_second": ((n_scored - scored_before) / scoring_seconds
+                              if scoring_seconds > 0 and n_scored > scored_before else float("nan")),
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "peak_host_memory_bytes": _peak_host_memory_bytes(),
         "nll_by_position": [None if math.isnan(x) else float(x) for x in by_position],

@@ -74,6 +74,9 @@ def check_distinct_outputs(outputs: dict, inputs=(), output_dirs: dict = None) -
 def check_writable(path: str, flag: str) -> None:
     """Fail before any work if an output file cannot be written. Creating a file is the only reliable
     test: os.access says yes to root on read-only and pseudo filesystems."""
+    if path == "-":   # would quietly make a file named "-"
+        raise FastpplError(f"{flag} -: outputs go to files (stdout carries the summary); give a file path, "
+                           "e.g. /dev/stdout")
     target = Path(path).expanduser()
     if target.is_dir() or str(path).endswith(("/", os.sep)):   # Path() drops a trailing slash
         raise FastpplError(f"{flag} {path}: is a directory; give a file path")
@@ -185,6 +188,14 @@ def write_npy(path: str, array) -> None:
     write_atomic(path, lambda f: np.save(f, array), binary=True)
 
 
+def _figure(value, spec: str) -> str:
+    """value by spec; n/a where it is unknown (NaN: no bytes, nothing timed), and in e-notation from 1e12 on, where
+    a broken model's perplexity would otherwise print hundreds of digits."""
+    if value is None or math.isnan(value):
+        return "n/a"
+    return format(value, ".4e") if math.isfinite(value) and abs(value) >= 1e12 else format(value, spec)
+
+
 def _bytes(n) -> str:
     return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
 
@@ -207,11 +218,11 @@ def summary(result: dict) -> str:
         + (f"  resumed after batch {result['resumed_from_batch']:,}" if result.get("resumed_from_batch") else ""),
         f"tokens      {result['tokens_scored']:,} scored of {result['tokens_total']:,}  ({result['bytes']:,} bytes)",
         f"nll         {result['nll']:.6f} nats/token",
-        f"perplexity  {result['ppl']:.4f}",
-        f"bits/byte   {result['bits_per_byte']:.6f}",
-        f"word ppl    {result['word_perplexity']:.4f}  ({result['words']:,} words)   "
-        f"byte ppl {result['byte_perplexity']:.6f}",
-        f"speed       {result['tokens_per_second']:,.0f} tokens/s  ({result['wall_seconds']:.2f} s wall, "
+        f"perplexity  {_figure(result['ppl'], '.4f')}",
+        f"bits/byte   {_figure(result['bits_per_byte'], '.6f')}",
+        f"word ppl    {_figure(result['word_perplexity'], '.4f')}  ({result['words']:,} words)   "
+        f"byte ppl {_figure(result['byte_perplexity'], '.6f')}",
+        f"speed       {_figure(result['tokens_per_second'], ',.0f')} tokens/s  ({result['wall_seconds']:.2f} s wall, "
         f"compile {result['compile']}, peak {_bytes(result['peak_memory_bytes'])})",
     ]
     if result.get("kv_cache", "").startswith("on"):

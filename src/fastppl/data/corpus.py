@@ -28,6 +28,19 @@ class Document:
     token_ids: Optional[np.ndarray] = field(default=None, compare=False, repr=False)
 
 
+def corpus_sha256(documents) -> str:
+    """sha256 of what the documents hold, in order (texts, or the ids of pre-tokenised ones), not of their ids or
+    paths: the same text reached by another path or as the built-in corpus gives the same value, so that
+    `fastppl compare` can tell the same corpus from another one."""
+    digest = hashlib.sha256()
+    for document in documents:
+        raw = (b"ids:" + document.token_ids.astype("<i8").tobytes() if document.token_ids is not None
+               else b"text:" + document.text.encode("utf-8", errors="surrogatepass"))
+        digest.update(len(raw).to_bytes(8, "little"))
+        digest.update(raw)
+    return digest.hexdigest()
+
+
 @dataclass(frozen=True)
 class BuiltinCorpus:
     filename: str
@@ -112,8 +125,10 @@ def builtin_path(name: str, data_dir: Optional[str]) -> Path:
                 raise FastpplError(f"{path}: is not the {name} corpus (size or sha256 differ); replace it")
             return path
     if candidates:
+        given = " and ".join(what for what, value in (("--data-dir", data_dir),
+                                                       ("FASTPPL_DATA_DIR", os.environ.get("FASTPPL_DATA_DIR"))) if value)
         raise FastpplError(
-            f"{name}: no {corpus.filename} in {', '.join(candidates)}; put the file there or drop --data-dir"
+            f"{name}: no {corpus.filename} in {', '.join(candidates)}; put the file there or drop {given}"
         )
     cached = cache_dir() / "data" / corpus.filename
     if not (cached.exists() and _sha256(cached) == corpus.sha256):
