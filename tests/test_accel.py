@@ -177,6 +177,14 @@ def test_bench_rounds_from_the_command_line(tmp_path, capsys):
     assert one["rows"][0]["nll"] == pytest.approx(fast["nll"], rel=1e-6)   # the same rows each round
 
 
+def test_bench_says_when_tokens_are_rounded_to_whole_batches(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", "random:gpt2-tiny", "--tokens", "200", "--seq", "32", "--batch-size", "4",
+                 "--device", "cpu", "--peers", "fastppl", "--json", str(out)]) == 0
+    assert "--tokens 200 runs as 128: whole batches of 4 rows of 32" in capsys.readouterr().err
+    assert json.loads(out.read_text())["rows"][0]["tokens"] == 128
+
+
 def test_bench_compile_on_compiles_fastppls_row_and_agrees_with_eager(tmp_path, monkeypatch):
     import fastppl.accel.compile as compile_module
     compiled, real = [], compile_module.compile_score_fn

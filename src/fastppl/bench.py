@@ -200,6 +200,8 @@ def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_le
     loss = resolve_loss(loss, device)
     on_cuda = device.type == "cuda"
     n_rows = max(batch_size, n_tokens // seq_len // batch_size * batch_size)
+    if n_rows * seq_len != n_tokens:
+        log(f"--tokens {n_tokens:,} runs as {n_rows * seq_len:,}: whole batches of {batch_size} rows of {seq_len}")
     rows = np.random.default_rng(0).integers(0, native.vocab_size, size=(n_rows, seq_len + 1), dtype=np.int64)
     naive_rows = rows[: max(1, (naive_tokens or n_tokens) // seq_len)]
     results: list[BenchRow] = []
