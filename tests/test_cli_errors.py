@@ -542,6 +542,18 @@ def test_an_output_of_dash_is_refused_not_written_as_a_file_named_dash(tmp_path,
     assert not (tmp_path / "-").exists()
 
 
+def test_an_unusable_cache_directory_is_named_with_its_variable(tmp_path, tokenizer_dir, capsys, monkeypatch):
+    """The built-in corpus is kept in the cache: a FASTPPL_CACHE_DIR that is a file named the path alone before."""
+    not_a_directory = tmp_path / "cache-file"
+    not_a_directory.write_text("")
+    monkeypatch.setenv("FASTPPL_CACHE_DIR", str(not_a_directory))
+    monkeypatch.delenv("FASTPPL_DATA_DIR", raising=False)
+    rc, err = _main(capsys, ["eval", "--model", TINY, "--data", "tinyshakespeare", "--split", "val", "--tokenizer",
+                             str(tokenizer_dir), "--device", "cpu", "--quiet", "--ctx", "16"])
+    assert rc == 2 and err.count("\n") == 1, err
+    assert f"fastppl's cache is {not_a_directory}; point FASTPPL_CACHE_DIR at a writable directory" in err, err
+
+
 def test_json_path_with_a_trailing_slash_and_out_of_memory(tmp_path, tokenizer_dir, capsys):
     rc, err = _main(capsys, ["generate", "--model", TINY, "--tokenizer", str(tokenizer_dir), "--device", "cpu",
                              "--prompt", "hi", "--max-new-tokens", "2", "--json", str(tmp_path / "sub") + "/"])

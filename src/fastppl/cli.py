@@ -432,7 +432,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except OSError as e:   # a path the checks above did not foresee (too long, unreadable, ...)
         if e.filename is None:
             raise   # not about a path the user gave: a real failure, with its traceback
-        print(f"fastppl: error: {e.strerror or e}: {e.filename}; check the paths given", file=sys.stderr)
+        from .config import cache_dir
+        cache = str(cache_dir())
+        in_cache = str(e.filename) == cache or str(e.filename).startswith(cache.rstrip(os.sep) + os.sep)
+        hint = (f"fastppl's cache is {cache}; point FASTPPL_CACHE_DIR at a writable directory" if in_cache
+                else "check the paths given")
+        print(f"fastppl: error: {e.strerror or e}: {e.filename}; {hint}", file=sys.stderr)
         return 2
 
 
