@@ -192,8 +192,10 @@ class Distributed:
         self._last_poll = now
         if self._store_check(["failure"]):
             message = self._store(lambda store: store.get("failure")).decode("utf-8", errors="replace")
-            exit_code, _, message = message.partition("|")
-            rank, _, reason = message.partition(": ")
+            exit_code, _, described = message.partition("|")   # "<status>|rank R: <message>" (publish_failure)
+            if not exit_code.isdigit():
+                exit_code, described = "1", message
+            rank, _, reason = described.partition(": ")
             raise PeerFailed(f"{rank} failed: {reason}", silent=not self.is_main, exit_code=int(exit_code))
 
     def wait_for_peers(self, stage: str) -> None:
@@ -386,7 +388,7 @@ def without_nproc(argv: Sequence[str]) -> list[str]:
 
 # set for the ranks that --nproc starts: a rank other than 0 waits RANK_ERROR_DELAY_S before printing an error, so
 # that an error every rank meets (bad input) is printed once, by rank 0, whose exit makes torchrun stop the others
-RELAUNCHED_ENV = "FASTPPL_NPROC_RANK"
+RELAUNCHED_ENV = "FASTPPL_NPROC_RELAUNCH"
 RANK_ERROR_DELAY_S = 2.0
 
 
