@@ -290,7 +290,7 @@ def test_a_killed_rank_ends_the_job_after_the_timeout(tmp_path, tokenizer_dir):
     rank0, rank1 = _launch_without_torchrun(_long_job(tmp_path, tokenizer_dir),
                                             FASTPPL_TEST_FAIL="1:kill", FASTPPL_DIST_TIMEOUT="2")
     assert rank1.returncode == -9
-    assert rank0.returncode == 2
+    assert rank0.returncode == 1   # a lost process, not bad input (2)
     assert "rank(s) 1 did not get to the end of scoring within 2 s" in rank0.stderr
     assert time.monotonic() - started < 60
     assert not (tmp_path / "r.json").exists()

@@ -213,9 +213,11 @@ class Distributed:
                 return
             if time.monotonic() > deadline:
                 missing = [r for r in range(self.world_size) if not self._store_check([f"{prefix}{r}"])]
-                raise FastpplError(
+                lost = FastpplError(
                     f"rank(s) {', '.join(map(str, missing))} did not get {stage} within {self.timeout_s:.0f} s; "
                     f"a process may have died (see its log); {TIMEOUT_ENV} sets this limit")
+                lost.exit_code = 1   # a lost process, not bad input; still published to the other ranks
+                raise lost
             time.sleep(pause)
             # at most 5 ms between the last rank's arrival and everyone leaving: the end-of-scoring
             # barrier is inside the timed scoring, and a 1-second job on 8 GPUs should not lose 5 % to it
