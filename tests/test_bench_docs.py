@@ -78,4 +78,5 @@ def test_per_position_ratio_counts_the_context_that_windows_re_read():
 
 def test_dense_only_options_are_refused(capsys):
     assert main(["bench", "--corpus", "docs", "--peers", "fastppl", "--device", "cpu"]) == 2
-    assert "fastppl: error: --peers and --variants" in capsys.readouterr().err
+    assert "fastppl: error: --peers do not apply to --corpus docs (--peers: the peers' bench (--corpus dense)); " \
+        "drop them" in capsys.readouterr().err

@@ -572,8 +572,16 @@ def test_json_path_with_a_trailing_slash_and_out_of_memory(tmp_path, tokenizer_d
     (["--new-tokens", "8"], "--new-tokens apply to bench --generate only"),
     (["--batch-sizes", "0"], "--batch-sizes apply to bench --generate only"),
     (["--generate", "--rounds", "3"], "--rounds apply to scoring"),
-    (["--corpus", "docs", "--rounds", "3"], "--rounds applies to the peers' bench"),
-    (["--nproc", "2", "--rounds", "3"], "--rounds applies to the peers' bench"),
+    (["--corpus", "docs", "--rounds", "3"],
+     "--rounds do not apply to --corpus docs (--rounds: the peers' bench (--corpus dense)); drop them"),
+    (["--nproc", "2", "--rounds", "3"], "--rounds do not apply to --nproc"),
+    # each was silently ignored by the scoring kind it was given to (the README's audit, session 17)
+    (["--nproc", "2", "--compile", "on", "--peers", "naive", "--variants"],
+     "--variants, --peers, --compile do not apply to --nproc (--variants, --peers: the peers' bench (--corpus "
+     "dense); --compile: the peers' bench (--corpus dense) and --corpus docs)"),
+    (["--nproc", "2", "--naive-tokens", "7", "--documents", "5"], "--naive-tokens, --documents do not apply to --nproc"),
+    (["--tokenizer", "x", "--documents", "5"], "--documents, --tokenizer do not apply to the peers' bench"),
+    (["--corpus", "docs", "--tokens", "100"], "--tokens do not apply to --corpus docs (--tokens: the peers' bench"),
 ])
 def test_bench_options_of_the_other_kind_are_refused(extra, fragment, capsys):
     rc, err = _main(capsys, ["bench", "--model", TINY, "--device", "cpu", *extra])   # each was silently ignored

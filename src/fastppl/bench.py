@@ -229,7 +229,8 @@ def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_le
         if "hf-bf16" in peers:
             _reset_peak(device)
             s, nll, tok = _time_labels_peer(hf16, rows, batch_size, device, autocast=False, item_per_step=False)
-            record(BenchRow("hf-bf16", tok, s, nll, _peak(device), f"bf16 SDPA, batch {batch_size}, labels="))
+            record(BenchRow("hf-bf16", tok, s, nll, _peak(device),   # fp32 weights off CUDA
+                            f"{'bf16' if on_cuda else 'fp32'} SDPA, batch {batch_size}, labels="))
         if "hf-compiled" in peers:
             _reset_peak(device)
             compiled = torch.compile(hf16)

@@ -66,8 +66,9 @@ def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stride", type=int, help="sliding: tokens between window starts (default ctx/2)")
     p.add_argument("--bos", action="store_true", help="sliding: prefix BOS so that the first token is scored")
     p.add_argument("--batch-size", type=_batch_size, default="auto",
-                   help="windows per forward pass, or auto: the largest that fits on a GPU with headroom, 8 on "
-                        "the CPU (the result does not depend on it)")
+                   help="rows per forward pass (a row holds one window, or several short ones when packed), or "
+                        "auto: the largest that fits on a GPU with headroom, 8 on the CPU (the result does not "
+                        "depend on it)")
     p.add_argument("--device", default="auto", help="auto (CUDA if visible, else cpu), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="weights and activations; the loss is always fp32 (auto: bf16 on CUDA, fp32 on cpu)")
@@ -195,6 +196,28 @@ def _check_bench_options(args: argparse.Namespace) -> None:
         raise FastpplError(f"{', '.join(given)} apply to {kind} only; drop them")
 
 
+# scoring options that only some of bench's three scoring kinds read: the peers' bench (dense), --corpus docs and
+# --nproc. Given to another kind, they were ignored.
+_BENCH_SCORING_KINDS = {"--tokens": ("dense", "nproc"), "--naive-tokens": ("dense",), "--variants": ("dense",),
+                        "--peers": ("dense",), "--rounds": ("dense",), "--compile": ("dense", "docs"),
+                        "--documents": ("docs",), "--tokenizer": ("nproc",)}
+_BENCH_KIND_NAMES = {"dense": "the peers' bench (--corpus dense)", "docs": "--corpus docs", "nproc": "--nproc"}
+
+
+def _check_bench_scoring_kind(args: argparse.Namespace) -> None:
+    kind = "nproc" if args.nproc is not None else args.corpus
+    defaults = {flag: default for flag, (_, default) in _BENCH_SCORING_ONLY.items()}
+    given = [flag for flag, kinds in _BENCH_SCORING_KINDS.items()
+             if kind not in kinds and getattr(args, flag[2:].replace("-", "_")) != defaults.get(flag)]
+    if given:
+        by_readers: dict[tuple, list[str]] = {}
+        for flag in given:
+            by_readers.setdefault(_BENCH_SCORING_KINDS[flag], []).append(flag)
+        where = "; ".join(f"{', '.join(flags)}: {' and '.join(_BENCH_KIND_NAMES[k] for k in readers)}"
+                          for readers, flags in by_readers.items())
+        raise FastpplError(f"{', '.join(given)} do not apply to {_BENCH_KIND_NAMES[kind]} ({where}); drop them")
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from .report import check_distinct_outputs
     check_distinct_outputs({"--json": args.json})
@@ -206,8 +229,7 @@ def run_bench(args: argparse.Namespace) -> int:
         DecodeOptions.from_env()   # a bad FASTPPL_DECODE fails now, not after the models are built
         from .bench_generate import run_from_args as run_generate_bench
         return run_generate_bench(args)
-    if args.rounds != 1 and (args.nproc is not None or args.corpus == "docs"):
-        raise FastpplError("--rounds applies to the peers' bench (--corpus dense, no --nproc) only; drop it")
+    _check_bench_scoring_kind(args)
     if args.nproc is not None or args.corpus == "docs":
         # these measure fastppl alone on GPT-2-shaped rows: the dense bench's defaults
         args.seq = args.seq or 1024
@@ -236,8 +258,6 @@ def run_bench(args: argparse.Namespace) -> int:
 def run_bench_docs(args: argparse.Namespace) -> int:
     from .bench_docs import format_docs_table, run_docs_bench
     from .report import check_writable, write_json
-    if args.peers or args.variants:
-        raise FastpplError("--peers and --variants belong to --corpus dense")
     if args.json:
         check_writable(args.json, "--json")
     log = (lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
