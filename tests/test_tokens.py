@@ -161,6 +161,7 @@ def test_builtin_with_wrong_sha_is_rejected(cache, shakespeare, tmp_path, damage
 
 
 def test_builtin_data_dir_without_the_file(cache, tmp_path, monkeypatch):
+    monkeypatch.delenv("FASTPPL_DATA_DIR", raising=False)
     with pytest.raises(FastpplError, match="no tinyshakespeare.txt in .*drop --data-dir$"):
         load_documents("tinyshakespeare", "val", data_dir=str(tmp_path))
     monkeypatch.setenv("FASTPPL_DATA_DIR", str(tmp_path))   # the variable alone: the message names it, not --data-dir
