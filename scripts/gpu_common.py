@@ -1,5 +1,8 @@
 """What the GPU scripts share (imported as `gpu_common`: a script run as `python3 scripts/x.py` has scripts/ on
-its path): a CUDA-event timer, and GPT-2 124M's dense scorer as `fastppl eval` runs it on CUDA."""
+its path): a CUDA-event timer, interleaved rounds of a setting each, and GPT-2 124M's dense scorer as `fastppl eval`
+runs it on CUDA."""
+import time
+
 import torch
 
 
@@ -13,6 +16,26 @@ def median_cuda_ms(fn, reps: int = 10) -> float:
         s.record(); fn(); e.record(); torch.cuda.synchronize()
         times.append(s.elapsed_time(e))
     return sorted(times)[len(times) // 2]
+
+
+def interleaved_rounds_ms(run, settings: dict, rounds: int = 3, calls: int = 20, warm_up: int = 20) -> dict:
+    """{name: [ms per call of run, one entry a round]}: after warm_up calls, `rounds` rounds in which each setting
+    (name -> a function that puts it in place) is applied, run once untimed, then timed over `calls` calls. Rounds
+    interleave the settings, so that the machine's drift (clock, power cap) falls on all of them alike."""
+    times = {name: [] for name in settings}
+    for _ in range(warm_up):
+        run()
+    for _ in range(rounds):
+        for name, apply in settings.items():
+            apply()
+            run()
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            for _ in range(calls):
+                run()
+            torch.cuda.synchronize()
+            times[name].append((time.perf_counter() - started) / calls * 1e3)
+    return times
 
 
 def dense_gpt2_scorer(batch: int = 64, seq: int = 1024, fused_norms: bool = True):

@@ -17,14 +17,13 @@ residual norms) with the best two variants in place of the shipped kernel, 3 int
 Prints tables; writes $OUT/layer_norm.json."""
 import json
 import os
-import time
 
 import torch
 import triton
 import triton.language as tl
 
 import fastppl.accel.fused_norm as fused_norm
-from gpu_common import dense_gpt2_scorer, median_cuda_ms
+from gpu_common import dense_gpt2_scorer, interleaved_rounds_ms, median_cuda_ms
 
 
 @triton.jit
@@ -175,24 +174,21 @@ def patched(fn):
 
 
 candidates = {"shipped 4 x 4": real_add_layer_norm, **{k: patched(VARIANTS[k]) for k in best}}
-rounds = {k: [] for k in candidates}
+
+
+def put_in_place(fn):
+    def apply():
+        fused_norm.add_layer_norm = fn
+    return apply
+
+
 with torch.inference_mode():
     outputs = {}
     for name, fn in candidates.items():
-        fused_norm.add_layer_norm = fn
+        put_in_place(fn)()
         outputs[name] = score(inputs, targets, mask)
-    for _ in range(20):
-        score(inputs, targets, mask)
-    for _ in range(3):
-        for name, fn in candidates.items():
-            fused_norm.add_layer_norm = fn
-            score(inputs, targets, mask)
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(20):
-                score(inputs, targets, mask)
-            torch.cuda.synchronize()
-            rounds[name].append((time.perf_counter() - t) / 20 * 1e3)
+    rounds = interleaved_rounds_ms(lambda: score(inputs, targets, mask),
+                                   {name: put_in_place(fn) for name, fn in candidates.items()})
 fused_norm.add_layer_norm = real_add_layer_norm
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 import fastppl.accel.fused_norm as fused_norm
-from gpu_common import dense_gpt2_scorer, median_cuda_ms
+from gpu_common import dense_gpt2_scorer, interleaved_rounds_ms, median_cuda_ms
 from fastppl.data.batching import Batch
 from fastppl.engine.score import DeviceSums, score_batches
 
@@ -71,19 +71,11 @@ with torch.inference_mode():
     for rows, warps in settings:
         set_norm(rows, warps)
         ln[(rows, warps)] = dict(alone_us=1e3 * median_cuda_ms(
-            lambda: fused_norm.add_layer_norm(x, delta, norm, store_sum=False), 50), rounds=[])
-    for _ in range(20):
-        score(inputs, targets, mask)
-    for _ in range(3):
-        for rows, warps in settings:
-            set_norm(rows, warps)
-            score(inputs, targets, mask)
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(20):
-                score(inputs, targets, mask)
-            torch.cuda.synchronize()
-            ln[(rows, warps)]["rounds"].append((time.perf_counter() - t) / 20 * 1e3)
+            lambda: fused_norm.add_layer_norm(x, delta, norm, store_sum=False), 50))
+    timed = interleaved_rounds_ms(lambda: score(inputs, targets, mask),
+                                  {setting: (lambda s=setting: set_norm(*s)) for setting in settings})
+    for setting, times in timed.items():
+        ln[setting]["rounds"] = times
 set_norm(4, 4)
 results["layer_norm"] = {f"{r} rows, {w} warps": v for (r, w), v in ln.items()}
 print("\n| LayerNorm kernel | us alone (65,536 x 768) | scorer ms per batch (median of 3 rounds of 20) |\n| --- | --- | --- |")
