@@ -206,9 +206,9 @@ _BENCH_KIND_NAMES = {"dense": "the peers' bench (--corpus dense)", "docs": "--co
 
 def _check_bench_scoring_kind(args: argparse.Namespace) -> None:
     kind = "nproc" if args.nproc is not None else args.corpus
-    defaults = {flag: default for flag, (_, default) in _BENCH_SCORING_ONLY.items()}
+    read = {**_BENCH_SCORING_ONLY, "--peers": ("peers", None)}   # flag -> (dest, default); --peers is --generate's too
     given = [flag for flag, kinds in _BENCH_SCORING_KINDS.items()
-             if kind not in kinds and getattr(args, flag[2:].replace("-", "_")) != defaults.get(flag)]
+             if kind not in kinds and getattr(args, read[flag][0]) != read[flag][1]]
     if given:
         by_readers: dict[tuple, list[str]] = {}
         for flag in given:

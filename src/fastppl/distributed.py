@@ -407,8 +407,8 @@ def relaunch_under_torchrun(nproc: int, argv: Sequence[str]) -> int:
         raise FastpplError("--nproc starts torchrun itself; drop it when the command already runs under torchrun")
     env = dict(os.environ, **{RELAUNCHED_ENV: "1"})
     env.setdefault("OMP_NUM_THREADS", "1")   # what torchrun sets for several ranks, without its five-line banner
-    returncode = subprocess.run(torchrun_command(nproc, without_nproc(argv)), env=env).returncode
-    return 128 - returncode if returncode < 0 else returncode   # killed by signal s: 128 + s, as a shell does
+    from .launch import shell_status
+    return shell_status(subprocess.run(torchrun_command(nproc, without_nproc(argv)), env=env).returncode)
 
 
 def delay_a_ranks_error() -> None:

@@ -11,6 +11,11 @@ import sys
 from typing import Sequence
 
 
+def shell_status(returncode: int) -> int:
+    """A process's exit status as a shell reports it: killed by signal s (returncode -s) is 128 + s."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
 def run_torchrun(torchrun_args: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -20,7 +25,7 @@ def run_torchrun(torchrun_args: Sequence[str]) -> int:
         run(parse_args(list(torchrun_args)))
     except ChildFailedError as error:
         _, first = error.get_first_failure()
-        return 128 - first.exitcode if first.exitcode < 0 else first.exitcode   # a signal s: 128 + s, as a shell
+        return shell_status(first.exitcode)
     return 0
 
 
