@@ -169,3 +169,62 @@ def test_memory_bound_covers_a_measured_scoring_batch(preset, loss):
         added = torch.cuda.max_memory_allocated() - base
         print(f"{preset} {loss} {rows} rows: added {added / 2**20:.0f} MiB, bound {bound.total(rows) / 2**20:.0f} MiB")
         assert added <= bound.total(rows) / BOUND_SAFETY
+
+
+def test_every_one_pass_cublaslt_candidate_gives_torchs_result():
+    """accel.cublaslt: every candidate the tuner may pick, for GPT-2's four product kinds at 4,096 rows (bias +
+    GELU, bias, and the two added into the residual stream), against torch's own call, bit for bit."""
+    from fastppl.accel import cublaslt as lt
+    g = torch.Generator(device="cuda").manual_seed(0)
+    M, C = 4096, 768
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    x, h, stream = (torch.randn(M, n, generator=g, **bf16) for n in (C, 4 * C, C))
+    w_up, w_qkv = torch.randn(4 * C, C, generator=g, **bf16) * 0.02, torch.randn(3 * C, C, generator=g, **bf16) * 0.02
+    w_proj, w_down = torch.randn(C, C, generator=g, **bf16) * 0.02, torch.randn(C, 4 * C, generator=g, **bf16) * 0.02
+    b_up, b_qkv = torch.randn(4 * C, generator=g, **bf16), torch.randn(3 * C, generator=g, **bf16)
+    cases = [
+        (lt.LinearPlan(M, 4 * C, C, torch.bfloat16, lt.EPILOGUE_GELU_BIAS),
+         torch._addmm_activation(b_up, x, w_up.t(), use_gelu=True), lambda p, i: p.run(x, w_up, b_up, index=i)),
+        (lt.LinearPlan(M, 3 * C, C, torch.bfloat16, lt.EPILOGUE_BIAS),
+         torch.nn.functional.linear(x, w_qkv, b_qkv), lambda p, i: p.run(x, w_qkv, b_qkv, index=i)),
+        (lt.LinearPlan(M, C, C, torch.bfloat16, lt.EPILOGUE_DEFAULT, 1.0),
+         stream.clone().addmm_(x, w_proj.t()), lambda p, i: p.run(x, w_proj, out=stream.clone(), index=i)),
+        (lt.LinearPlan(M, C, 4 * C, torch.bfloat16, lt.EPILOGUE_DEFAULT, 1.0),
+         stream.clone().addmm_(h, w_down.t()), lambda p, i: p.run(h, w_down, out=stream.clone(), index=i)),
+    ]
+    for plan, expected, run in cases:
+        candidates = plan.one_pass_candidates()
+        assert candidates
+        for i in candidates:
+            assert torch.equal(run(plan, i), expected), (plan.epilogue, plan.beta, i, plan.describe(i))
+
+
+def test_tuned_products_score_as_torchs_and_stored_picks_are_reused(tmp_path):
+    """The dense scorer as eval runs it on CUDA, with every linear through the tuner: the same NLL bit for bit as
+    torch's picks; a second tuner on the same store reuses all four picks and times nothing."""
+    from fastppl.accel import cublaslt as lt
+    from fastppl.accel.fused_mlp import fuse_mlp_epilogue
+    from fastppl.accel.fused_norm import fuse_residual_norms
+    from fastppl.engine.score import make_score_fn
+    from fastppl.models.loading import random_gpt2
+    model = random_gpt2("gpt2", 0, torch.device("cuda")).to(torch.bfloat16).eval()
+    fuse_mlp_epilogue(model)
+    fuse_residual_norms(model)
+    score = make_score_fn(model, loss="fused")
+    ids = torch.randint(0, 50257, (4, 1025), device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    batch = (ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), torch.ones(4, 1024, dtype=torch.bool, device="cuda"))
+    store = tmp_path / "picks.json"
+    lt.route_linears(model)
+    try:
+        with torch.inference_mode():
+            plain = score(*batch)
+            first = lt.start_tuning(store)
+            tuned = score(*batch)
+            assert first.tuned == 4 and first.reused == 0 and torch.equal(tuned, plain), first.summary()
+            second = lt.start_tuning(store, timing_allowed=False)
+            again = score(*batch)
+            assert second.tuned == 0 and second.reused == 4 and torch.equal(again, plain), second.summary()
+            assert [p.chosen for p in second.plans.values()] == [p.chosen for p in first.plans.values()]
+    finally:
+        lt.stop_tuning()
+        lt.unroute_linears(model)

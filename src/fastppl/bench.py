@@ -39,6 +39,7 @@ class BenchRow:
     peak_bytes: Optional[int]
     note: str = ""
     compile: Optional[str] = None   # fastppl's row: compiled or not, and why (accel.compile.use_compile)
+    products: Optional[str] = None  # fastppl's row: whose cuBLAS kernels ran (accel.cublaslt)
 
     @property
     def tokens_per_second(self) -> float:
@@ -140,7 +141,7 @@ def _time_labels_peer(model, rows: np.ndarray, batch_size: int, device, autocast
 
 
 def _time_fastppl(model, rows: np.ndarray, batch_size: int, device, loss: str, compile_on: bool,
-                  chunk_rows: int = 8192) -> tuple[float, float, int, float]:
+                  chunk_rows: int = 8192, tuning: str = "off") -> tuple[float, float, int, float, str]:
     from .accel.compile import compile_score_fn
     from .engine.score import DeviceSums, make_score_fn, score_batches
     T = rows.shape[1] - 1
@@ -159,27 +160,40 @@ def _time_fastppl(model, rows: np.ndarray, batch_size: int, device, loss: str, c
     index = np.full((batch_size, T), -1, dtype=np.int64)
     batches = [Batch(np.ascontiguousarray(rows[b:b + batch_size, :T]), np.ascontiguousarray(rows[b:b + batch_size, 1:]),
                      ones, index, batch_size * T, batch_size) for b in range(0, n_rows, batch_size)]
-    compile_started = time.perf_counter()
-    # warm-up: compiles, loads the Triton kernels, runs cuBLAS heuristics
-    score_batches(score_fn, batches[:2], DeviceSums.zeros(T, device), device)
-    _sync(device)
-    compile_seconds = time.perf_counter() - compile_started
-    sums = DeviceSums.zeros(T, device)
-    started = time.perf_counter()
-    score_batches(score_fn, batches, sums, device)
-    nll_sum = sums.nll_sum.item()
-    seconds = time.perf_counter() - started
-    return seconds, nll_sum / (n_rows * T), n_rows * T, compile_seconds
+    from .accel import cublaslt
+    products = "torch's cuBLAS picks"
+    try:
+        if tuning != "off":   # as eval: linears through cuBLASLt's candidates, timed (or read) in the warm-up
+            cublaslt.route_linears(model)
+            tuner = cublaslt.start_tuning(cublaslt.picks_store(), timing_allowed=tuning == "time")
+        compile_started = time.perf_counter()
+        # warm-up: compiles, loads the Triton kernels, runs cuBLAS heuristics
+        score_batches(score_fn, batches[:2], DeviceSums.zeros(T, device), device)
+        _sync(device)
+        compile_seconds = time.perf_counter() - compile_started
+        sums = DeviceSums.zeros(T, device)
+        started = time.perf_counter()
+        score_batches(score_fn, batches, sums, device)
+        nll_sum = sums.nll_sum.item()
+        seconds = time.perf_counter() - started
+        if tuning != "off":
+            products = tuner.summary()
+    finally:
+        cublaslt.stop_tuning()
+        cublaslt.unroute_linears(model)
+    return seconds, nll_sum / (n_rows * T), n_rows * T, compile_seconds, products
 
 
 def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_len: Optional[int] = None,
               batch_size: Optional[int] = None, device_name: str = "auto", peers: Optional[list[str]] = None,
               loss: str = "auto", naive_tokens: Optional[int] = None, log: Callable[[str], None] = print,
-              variants: bool = False, compile: str = "auto") -> dict:
+              variants: bool = False, compile: str = "auto", tune_products: str = "auto") -> dict:
     """variants: also time fastppl with the other loss and compile choices (for docs/BENCHMARKS.md).
     compile: fastppl's row compiles its scorer or not (auto: as `fastppl eval` would for this many tokens).
+    tune_products: fastppl's row times cuBLASLt's candidates or not (accel.cublaslt.use_tuning; auto as eval).
     seq_len, batch_size and peers default by architecture (DEFAULTS)."""
     from .accel.compile import model_family, use_compile
+    from .accel.cublaslt import use_tuning
     from .engine.loss import fused_loss_available, resolve_loss
     from .models.llama import Llama
     from .models.loading import RANDOM_PREFIX, random_native
@@ -245,11 +259,15 @@ def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_le
         # by default what `fastppl eval` runs for a run of this size (accel.compile.use_compile): for GPT-2
         # eager with the fused loss and, on CUDA, the fused MLP epilogue and norms
         compile_on, compile_reason = use_compile(compile, device, n_rows * seq_len, loss, model_family(model))
-        s, nll, tok, compile_s = _time_fastppl(model, rows, batch_size, device, loss, compile_on)
+        tuning, tuning_reason = use_tuning(tune_products, device, model.lm_head.weight.dtype, n_rows * seq_len,
+                                           compile_on)
+        s, nll, tok, compile_s, products = _time_fastppl(model, rows, batch_size, device, loss, compile_on,
+                                                         tuning=tuning)
         how = "compiled" if compile_on else f"eager{', MLP epilogue, fused norms' if on_cuda else ''}"
         record(BenchRow("fastppl", tok, s, nll, _peak(device),
                         f"{loss} loss, {how}, batch {batch_size}, {'compile + ' if compile_on else ''}"
-                        f"warm-up {compile_s:.1f} s", compile_reason))
+                        f"warm-up {compile_s:.1f} s", compile_reason,
+                        products=products if tuning == "off" else f"{tuning_reason}: {products}"))
         if variants:
             # the same weights for every variant: _time_fastppl undoes the fusions, and the Dynamo reset
             # keeps a variant from silently reusing another's compiled graph
@@ -261,7 +279,8 @@ def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_le
                     continue
                 _reset_peak(device)
                 torch._dynamo.reset()
-                s, nll, tok, compile_s = _time_fastppl(model, rows, batch_size, device, variant_loss, variant_compile)
+                s, nll, tok, compile_s, _ = _time_fastppl(model, rows, batch_size, device, variant_loss,
+                                                          variant_compile)
                 record(BenchRow("variant", tok, s, nll, _peak(device),
                                 f"{variant_loss} loss, {'compiled' if variant_compile else 'eager'}, "
                                 f"warm-up {compile_s:.1f} s"))
@@ -276,6 +295,7 @@ def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_le
             "share_of_ceiling": r.tokens_per_second * flops / ceiling, "nll": r.nll, "peak_memory_bytes": r.peak_bytes,
             "fastppl_speedup": (fast.tokens_per_second / r.tokens_per_second) if fast else None, "note": r.note,
             **({"compile": r.compile} if r.compile is not None else {}),
+            **({"products": r.products} if r.products is not None else {}),
         })
     return {
         "model": model_spec, "seq_len": seq_len, "batch_size": batch_size, "device": str(device),
@@ -360,4 +380,7 @@ def format_table(report: dict) -> str:
             spread = f"{ratio_range:>13}{rate_range:>16}"
         lines.append(f"{r['name']:<14}{r['tokens_per_second']:>14,.0f}{100 * r['share_of_ceiling']:>10.1f}%"
                      f"{peak:>10}{speedup:>11}{spread}  {r['note']}")
+    products = next((r["products"] for r in report["rows"] if r.get("products")), None)
+    if products:
+        lines.append(f"fastppl's products: {products}")
     return "\n".join(lines)

@@ -76,6 +76,10 @@ def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
                    help="native GPT-2 or transformers' AutoModelForCausalLM (auto: native where it is exact)")
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                    help="torch.compile the scorer (auto: on CUDA, only for runs long enough to repay it)")
+    p.add_argument("--tune-products", default="auto", choices=["auto", "on", "off"],
+                   help="time cuBLASLt's candidate kernels for each product shape once and keep the fastest "
+                        "(CUDA, 16-bit, eager; picks are stored in the cache; auto: time them for runs long "
+                        "enough to repay it, else use stored picks only)")
     p.add_argument("--loss", default="auto", choices=["auto", "chunked", "fused"],
                    help="per-token loss: chunked projection, or the fused Triton kernel (CUDA); auto = fused on CUDA")
     p.add_argument("--loss-chunk-rows", type=int, default=8192,
@@ -116,7 +120,7 @@ def _config_from_args(args: argparse.Namespace):
         errors=args.errors, window=args.window,
         ctx=args.ctx, stride=args.stride, bos=args.bos, batch_size=args.batch_size, device=args.device,
         dtype=args.dtype, backend=args.backend, compile=args.compile, loss=args.loss, kv_cache=args.kv_cache,
-        loss_chunk_rows=args.loss_chunk_rows,
+        loss_chunk_rows=args.loss_chunk_rows, tune_products=args.tune_products,
         seed=args.seed, per_token=args.per_token, quiet=args.quiet,
         batching=args.batching, per_doc=args.per_doc, resume=args.resume,
         checkpoint_seconds=60.0 if args.checkpoint_seconds is None else args.checkpoint_seconds,
@@ -183,7 +187,8 @@ def run_eval(args: argparse.Namespace) -> int:
 _BENCH_SCORING_ONLY = {"--tokens": ("tokens", 1_048_576), "--naive-tokens": ("naive_tokens", None),
                        "--loss": ("loss", "auto"), "--variants": ("variants", False), "--nproc": ("nproc", None),
                        "--tokenizer": ("tokenizer", None), "--corpus": ("corpus", "dense"),
-                       "--documents": ("documents", 10_000), "--compile": ("compile", "auto"), "--rounds": ("rounds", 1)}
+                       "--documents": ("documents", 10_000), "--compile": ("compile", "auto"), "--rounds": ("rounds", 1),
+                       "--tune-products": ("tune_products", "auto")}
 _BENCH_GENERATE_ONLY = {"--batch-sizes": ("batch_sizes", "1,64"), "--new-tokens": ("new_tokens", 256),
                         "--prompt-tokens": ("prompt_tokens", 32)}
 
@@ -200,7 +205,7 @@ def _check_bench_options(args: argparse.Namespace) -> None:
 # --nproc. Given to another kind, they were ignored.
 _BENCH_SCORING_KINDS = {"--tokens": ("dense", "nproc"), "--naive-tokens": ("dense",), "--variants": ("dense",),
                         "--peers": ("dense",), "--rounds": ("dense",), "--compile": ("dense", "docs"),
-                        "--documents": ("docs",), "--tokenizer": ("nproc",)}
+                        "--documents": ("docs",), "--tokenizer": ("nproc",), "--tune-products": ("dense",)}
 _BENCH_KIND_NAMES = {"dense": "the peers' bench (--corpus dense)", "docs": "--corpus docs", "nproc": "--nproc"}
 
 
@@ -248,7 +253,8 @@ def run_bench(args: argparse.Namespace) -> int:
     peers = args.peers.split(",") if args.peers else None
     report = run_bench_rounds(args.rounds, log, model_spec=args.model, n_tokens=args.tokens, seq_len=args.seq,
                               batch_size=args.batch_size, device_name=args.device, peers=peers, loss=args.loss,
-                              naive_tokens=args.naive_tokens, variants=args.variants, compile=args.compile)
+                              naive_tokens=args.naive_tokens, variants=args.variants, compile=args.compile,
+                              tune_products=args.tune_products)
     if args.json:
         write_json(args.json, report)
     print(format_table(report))
@@ -402,6 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
                               help="--corpus docs: documents")
     bench_parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                               help="compile fastppl's scorer (auto: as eval would for this many tokens)")
+    bench_parser.add_argument("--tune-products", default="auto", choices=["auto", "on", "off"],
+                              help="time cuBLASLt's candidate kernels for fastppl's products (auto: as eval would "
+                                   "for this many tokens)")
     bench_parser.add_argument("--rounds", type=_at_least(1), default=_BENCH_SCORING_ONLY["--rounds"][1],
                               help="run every peer this many times, one round after another; the table gives medians "
                                    "and the rounds' range (3 for a figure to quote)")

@@ -18,6 +18,7 @@ import torch
 from . import __version__
 from .accel.batch_size import auto_batch_size, balanced_batch_size, scoring_memory_bound
 from .accel.compile import allow_shapes, compile_score_fn, model_family, use_compile
+from .accel.cublaslt import picks_store, route_linears, start_tuning, stop_tuning, unroute_linears, use_tuning
 from .accel.fused_mlp import fuse_mlp_epilogue
 from .accel.warm_up import start_cuda_warm_up
 from .config import EvalConfig
@@ -34,6 +35,8 @@ from .engine.score import DeviceSums, make_score_fn, score_batches, score_plans
 from .errors import FastpplError
 from .metrics import lm_eval_word_count, per_unit_metrics, perplexity
 from .models import load_model
+from .models.gpt2 import GPT2
+from .models.llama import Llama
 from .models.attention import document_attention_backend, varlen_available, varlen_failure
 from .progress import Progress
 from .resume import KILL_AFTER_BATCHES_ENV, Checkpointer, data_sha256, model_files, run_fingerprint
@@ -282,22 +285,39 @@ def evaluate(config: EvalConfig) -> dict:
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    # after the batch size is chosen, so that the probe's shapes are not timed
+    tuning, products = use_tuning(config.tune_products, device, dtype, n_scored, compiled)
+    if tuning != "off" and not isinstance(model, (GPT2, Llama)):
+        tuning, products = "off", "torch's picks (tuning is for fastppl's native models)"
+    elif tuning != "off" and use_kv_cache:
+        tuning, products = "off", "torch's picks (the cached sliding rows change shape at every stride)"
+    if tuning != "off":
+        route_linears(model)
+        tuner = start_tuning(picks_store(), timing_allowed=tuning == "time")
     scoring_started = time.perf_counter()
-    if use_kv_cache:
-        # each window runs over its new tokens only (fastppl.engine.cached_sliding)
-        score_cached_sliding(
-            model, refs, stream_ids, target_offsets, ctx,
-            sliding_stride(config.stride, ctx), batch_size, sums, device, on_step=progress.advance,
-            compile_fn=compile_score_fn if compiled else None, chunk_rows=config.loss_chunk_rows,
-            document_starts=np.array([s.token_offset for s in streams], dtype=np.int64),
-        )
-        tokens_forwarded = n_scored
-    else:
-        # out of memory: the failing batch is split by rows and scored again (not with --resume, whose
-        # checkpoints count whole batches)
-        score_plans(score_fn, plans_here[start_batch:], lambda p: batch_from_plan(p, refs, stream_ids, target_offsets),
-                    sums, device, on_batch=after_batch, split=None if checkpointer else split_rows)
-        tokens_forwarded = sum(r.window.length for r in refs)
+    try:
+        if use_kv_cache:
+            # each window runs over its new tokens only (fastppl.engine.cached_sliding)
+            score_cached_sliding(
+                model, refs, stream_ids, target_offsets, ctx,
+                sliding_stride(config.stride, ctx), batch_size, sums, device, on_step=progress.advance,
+                compile_fn=compile_score_fn if compiled else None, chunk_rows=config.loss_chunk_rows,
+                document_starts=np.array([s.token_offset for s in streams], dtype=np.int64),
+            )
+            tokens_forwarded = n_scored
+        else:
+            # out of memory: the failing batch is split by rows and scored again (not with --resume, whose
+            # checkpoints count whole batches)
+            score_plans(score_fn, plans_here[start_batch:],
+                        lambda p: batch_from_plan(p, refs, stream_ids, target_offsets),
+                        sums, device, on_batch=after_batch, split=None if checkpointer else split_rows)
+            tokens_forwarded = sum(r.window.length for r in refs)
+        if tuning != "off":
+            products = f"{products}: {tuner.summary()}"
+    finally:
+        if tuning != "off":
+            stop_tuning()
+            unroute_linears(model)
     if dist:
         dist.all_reduce_sums(sums, n_scored)
     nll_sum = float(sums.nll_sum.item())   # the run's one host sync
@@ -351,6 +371,7 @@ def evaluate(config: EvalConfig) -> dict:
         "compile": compile_reason,
         "mlp_epilogue": mlp_epilogue,
         "residual_norms": residual_norms,
+        "products": products,
         "loss": loss,
         "batch_size": batch_size,
         "batch_size_reason": batch_size_reason,

@@ -10,12 +10,13 @@ import torch
 import torch.nn as nn
 
 from ..models.gpt2 import MLP
+from .cublaslt import linear
 
 
 def _fused_activation(self: MLP, x: torch.Tensor) -> torch.Tensor:
     shape = x.shape
     # cuBLASLt's GELU epilogue is the tanh approximation, GPT-2's "gelu_new"
-    h = torch._addmm_activation(self.fc.bias, x.reshape(-1, shape[-1]), self.fc.weight.t(), use_gelu=True)
+    h = linear(x.reshape(-1, shape[-1]), self.fc.weight, self.fc.bias, gelu=True)
     return h.view(*shape[:-1], -1)
 
 

@@ -1,0 +1,398 @@
+"""Linear products through cuBLASLt's fastest candidate instead of its first guess. torch asks cuBLASLt's
+heuristic for one algorithm per product; at GPT-2's scoring shapes on an H100 that pick (a 192 x 192 tile) ran
+5-10 % slower than another of the heuristic's eight candidates for each of the four products
+(scripts/gpu_cublaslt_algos.py, docs/BENCHMARKS.md session 18). ProductTuner times the candidates once per shape
+on the run's own operands and keeps the fastest, and stores the pick (cache_dir()/cublaslt_picks.json), so that a
+later run of the same shapes on the same GPU and cuBLASLt takes it without timing. Only candidates that sum each
+dot product in one pass (no split-K) take part, so every pick gives torch's pick's result bit for bit
+(tests/test_gpu.py). `linear` is the one entry point: with no tuner active it is torch's own call.
+
+cuBLASLt is reached through ctypes, in the copy torch loaded. Row-major torch tensors are read as column-major:
+out (M, N) = x (M, K) @ weight (N, K)^T is, column-major, out^T (N, M) = op_T(weight as stored (K, N)) . x^T (K, M)."""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+COMPUTE_32F = 68        # cublasComputeType_t CUBLAS_COMPUTE_32F
+R_32F, R_16F, R_16BF = 0, 2, 14   # cudaDataType_t
+OP_N, OP_T = 0, 1
+DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER = 3, 4, 7, 8
+PREF_MAX_WORKSPACE_BYTES = 1
+EPILOGUE_DEFAULT, EPILOGUE_BIAS, EPILOGUE_GELU, EPILOGUE_GELU_BIAS = 1, 4, 32, 36
+# cublasLtMatmulAlgoConfigAttributes_t, for describing a candidate
+CONFIG_NAMES = {0: "id", 1: "tile", 2: "split_k", 3: "reduction", 4: "swizzle", 5: "custom", 6: "stages",
+                7: "inner_shape", 8: "cluster"}
+WORKSPACE_BYTES = 32 << 20
+_DATA_TYPES = {torch.bfloat16: R_16BF, torch.float16: R_16F}
+
+
+class _HeuristicResult(ctypes.Structure):
+    _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+
+_library: Optional[ctypes.CDLL] = None
+_handle = ctypes.c_void_p()
+_workspaces: dict[torch.device, torch.Tensor] = {}
+
+
+def _loaded_library_path() -> Optional[str]:
+    """The libcublasLt that torch itself loaded (after a first product), so that both use one copy."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            if "libcublasLt.so" in path:
+                return path
+    return None
+
+
+def library() -> ctypes.CDLL:
+    global _library
+    if _library is None:
+        torch.ones(8, 8, device="cuda", dtype=torch.bfloat16) @ torch.ones(8, 8, device="cuda", dtype=torch.bfloat16)
+        path = _loaded_library_path()
+        if path is None:
+            raise RuntimeError("libcublasLt is not loaded in this process")
+        lib = ctypes.CDLL(path)
+        P, I, S = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+        signatures = {
+            "cublasLtCreate": [P],
+            "cublasLtMatmulDescCreate": [P, I, I],
+            "cublasLtMatmulDescSetAttribute": [P, I, P, S],
+            "cublasLtMatrixLayoutCreate": [P, I, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64],
+            "cublasLtMatmulPreferenceCreate": [P],
+            "cublasLtMatmulPreferenceSetAttribute": [P, I, P, S],
+            "cublasLtMatmulAlgoGetHeuristic": [P, P, P, P, P, P, P, I, P, P],
+            "cublasLtMatmulAlgoConfigGetAttribute": [P, I, P, S, P],
+            "cublasLtMatmul": [P] * 14 + [S, P],
+            "cublasLtGetVersion": [],
+        }
+        for name, argtypes in signatures.items():
+            getattr(lib, name).restype = ctypes.c_int
+            getattr(lib, name).argtypes = argtypes
+        lib.cublasLtGetVersion.restype = ctypes.c_size_t
+        _check(lib.cublasLtCreate(ctypes.byref(_handle)), "cublasLtCreate")
+        _library = lib
+    return _library
+
+
+def _workspace(device: torch.device) -> torch.Tensor:
+    if device not in _workspaces:
+        _workspaces[device] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    return _workspaces[device]
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{what} failed with cuBLAS status {status}")
+
+
+def _set(setter, obj, attribute: int, value: ctypes._SimpleCData) -> None:
+    _check(setter(obj, attribute, ctypes.byref(value), ctypes.sizeof(value)), f"set attribute {attribute}")
+
+
+@dataclass
+class LinearPlan:
+    """out (M, N) = epilogue(beta * out + x (M, K) @ weight (N, K)^T [+ bias (N,)]) for one shape and dtype,
+    with cuBLASLt's candidate algorithms; `chosen` indexes the one run() uses (0: cuBLASLt's own first pick)."""
+    rows: int
+    out_features: int
+    in_features: int
+    dtype: torch.dtype
+    epilogue: int
+    beta: float = 0.0
+    candidates: list = field(default_factory=list)
+    chosen: int = 0
+
+    def __post_init__(self):
+        lib = library()
+        data_type = _DATA_TYPES[self.dtype]
+        self._desc = ctypes.c_void_p()
+        _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self._desc), COMPUTE_32F, R_32F), "matmul descriptor")
+        _set(lib.cublasLtMatmulDescSetAttribute, self._desc, DESC_TRANSA, ctypes.c_int32(OP_T))
+        _set(lib.cublasLtMatmulDescSetAttribute, self._desc, DESC_TRANSB, ctypes.c_int32(OP_N))
+        _set(lib.cublasLtMatmulDescSetAttribute, self._desc, DESC_EPILOGUE, ctypes.c_uint32(self.epilogue))
+        M, N, K = self.rows, self.out_features, self.in_features
+        self._a, self._b, self._d = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._a), data_type, K, N, K), "layout A")
+        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._b), data_type, K, M, K), "layout B")
+        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._d), data_type, N, M, N), "layout D")
+        preference = ctypes.c_void_p()
+        _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)), "preference")
+        _set(lib.cublasLtMatmulPreferenceSetAttribute, preference, PREF_MAX_WORKSPACE_BYTES,
+             ctypes.c_uint64(WORKSPACE_BYTES))
+        if self.epilogue & EPILOGUE_BIAS:   # the heuristic reads the bias pointer's alignment; any aligned one
+            self._set_bias(_workspace(torch.device("cuda", torch.cuda.current_device())).data_ptr())
+        results = (_HeuristicResult * 64)()
+        found = ctypes.c_int()
+        _check(lib.cublasLtMatmulAlgoGetHeuristic(_handle, self._desc, self._a, self._b, self._d, self._d,
+                                                  preference, 64, ctypes.byref(results), ctypes.byref(found)), "heuristic")
+        self.candidates = [results[i] for i in range(found.value) if results[i].state == 0]
+        if not self.candidates:
+            raise RuntimeError("cuBLASLt offers no algorithm for this product")
+
+    def _set_bias(self, pointer: int) -> None:
+        _set(library().cublasLtMatmulDescSetAttribute, self._desc, DESC_BIAS_POINTER, ctypes.c_void_p(pointer))
+
+    def describe(self, index: int) -> dict:
+        lib = library()
+        algo = self.candidates[index].algo
+        described = {"waves": round(self.candidates[index].waves, 3),
+                     "workspace": self.candidates[index].workspace_size}
+        for attribute, name in CONFIG_NAMES.items():
+            for size_type in (ctypes.c_uint32, ctypes.c_uint16, ctypes.c_uint64):
+                value, written = size_type(), ctypes.c_size_t()
+                if lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attribute, ctypes.byref(value),
+                                                            ctypes.sizeof(value), ctypes.byref(written)) == 0:
+                    described[name] = value.value
+                    break
+        return described
+
+    def run(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+            out: Optional[torch.Tensor] = None, index: Optional[int] = None) -> torch.Tensor:
+        M, N, K = self.rows, self.out_features, self.in_features
+        assert x.shape == (M, K) and weight.shape == (N, K) and x.is_contiguous() and weight.is_contiguous()
+        if out is None:
+            assert self.beta == 0.0
+            out = torch.empty(M, N, dtype=self.dtype, device=x.device)
+        assert out.shape == (M, N) and out.is_contiguous()
+        if self.epilogue & EPILOGUE_BIAS:
+            assert bias is not None and bias.shape == (N,) and bias.dtype == self.dtype
+            self._set_bias(bias.data_ptr())
+        alpha, beta = ctypes.c_float(1.0), ctypes.c_float(self.beta)
+        algo = self.candidates[self.chosen if index is None else index]
+        _check(library().cublasLtMatmul(
+            _handle, self._desc, ctypes.byref(alpha), ctypes.c_void_p(weight.data_ptr()), self._a,
+            ctypes.c_void_p(x.data_ptr()), self._b, ctypes.byref(beta), ctypes.c_void_p(out.data_ptr()), self._d,
+            ctypes.c_void_p(out.data_ptr()), self._d, ctypes.byref(algo.algo),
+            ctypes.c_void_p(_workspace(x.device).data_ptr()), WORKSPACE_BYTES, ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)),
+            "cublasLtMatmul")
+        return out
+
+    def one_pass_candidates(self) -> list[int]:
+        """Candidates that sum each dot product in one pass (no split-K): their results equal torch's pick's."""
+        return [i for i in range(len(self.candidates))
+                if self.describe(i).get("split_k", 1) <= 1 and self.describe(i).get("reduction", 0) == 0]
+
+
+# auto times candidates from this many scored tokens, else takes stored picks only. Measured on an H100 at GPT-2's
+# shapes: timing costs ~0.3 s once and saves ~1.5-2 % of the scoring time, ~17 ms per 2 M tokens
+TUNE_MIN_TOKENS = 33_554_432
+MIN_TUNED_ROWS = 4096      # below this a product is latency-bound and the candidates differ by noise
+MAX_TUNED_SHAPES = 16      # bounds the timing at start-up when batches come in many shapes
+
+
+def time_candidates(trial, indices: list[int], rounds: int = 5, calls: int = 3) -> dict[int, float]:
+    """{index: median ms of trial(index)} over rounds that each time every candidate in turn, so that the GPU's
+    clock drift (boost at first, then the power cap) falls on all alike: timed one after another, the first
+    candidates ran at a higher clock and were picked over faster ones (H100, session 18)."""
+    for i in indices:
+        trial(i)
+    events = {i: [] for i in indices}
+    for _ in range(rounds):
+        for i in indices:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                trial(i)
+            end.record()
+            events[i].append((start, end))
+    torch.cuda.synchronize()
+    return {i: sorted(s.elapsed_time(e) / calls for s, e in pairs)[rounds // 2] for i, pairs in events.items()}
+
+
+def read_picks(store: Optional[Path]) -> dict:
+    """Stored picks ({product name: {index, config, ms}}); {} when absent or damaged (that only costs timing)."""
+    if store is None or not store.is_file():
+        return {}
+    try:
+        picks = json.loads(store.read_text())
+    except (OSError, ValueError):
+        return {}
+    return picks if isinstance(picks, dict) else {}
+
+
+def write_picks(store: Optional[Path], picks: dict) -> None:
+    """Add picks to the store, written whole and renamed into place (ranks may write at once); a store that cannot
+    be written only costs the timing next time."""
+    if store is None:
+        return
+    try:
+        store.parent.mkdir(parents=True, exist_ok=True)
+        partial = store.with_name(f"{store.name}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps({**read_picks(store), **picks}, indent=1, sort_keys=True))
+        os.replace(partial, store)
+    except OSError:
+        pass
+
+
+class ProductTuner:
+    """The fastest one-pass cuBLASLt candidate for each product shape this run meets, timed at the shape's first
+    call on its operands, or read from `store` (picks of an earlier run on the same GPU and cuBLASLt version).
+    timing_allowed=False takes stored picks only, and torch's pick for the rest."""
+
+    def __init__(self, store: Optional[Path], timing_allowed: bool = True):
+        self.store = store
+        self.timing_allowed = timing_allowed
+        self.plans: dict[tuple, Optional[LinearPlan]] = {}
+        self.tuned = self.reused = 0
+        self.tuning_seconds = 0.0
+        self.failure: Optional[str] = None
+        self._stored = read_picks(store)
+        self._new: dict = {}
+
+    def summary(self) -> str:
+        if self.failure:
+            return f"torch's cuBLAS picks (cuBLASLt's candidates failed: {self.failure})"
+        parts = ([f"{self.tuned} timed ({self.tuning_seconds:.2f} s)"] if self.tuned else []) + \
+                ([f"{self.reused} reused from {self.store}"] if self.reused else [])
+        if not parts:
+            return "torch's cuBLAS picks (no product shape was tuned)"
+        return "cuBLASLt's fastest candidate per product shape: " + ", ".join(parts)
+
+    def _name(self, key: tuple) -> str:
+        rows, n_out, n_in, dtype, epilogue, beta = key
+        return (f"{torch.cuda.get_device_name()}|cublasLt {library().cublasLtGetVersion()}|{rows}x{n_out}x{n_in}|"
+                f"{str(dtype).replace('torch.', '')}|epilogue {epilogue}|beta {beta:g}")
+
+    def plan(self, x: torch.Tensor, weight: torch.Tensor, epilogue: int, beta: float,
+             trial) -> Optional[LinearPlan]:
+        """The tuned plan for this product, or None for torch's call. trial(plan, index) runs candidate index on
+        the first call's operands, into scratch outputs."""
+        key = (x.shape[0], weight.shape[0], weight.shape[1], x.dtype, epilogue, beta)
+        if key in self.plans:
+            return self.plans[key]
+        self.plans[key] = None   # torch's call, unless a pick is found below
+        tuned_shapes = sum(plan is not None for plan in self.plans.values())
+        if self.failure or x.shape[0] < MIN_TUNED_ROWS or x.dtype not in _DATA_TYPES:
+            return None
+        try:
+            name = self._name(key)
+            stored = self._stored.get(name)
+            if not (isinstance(stored, dict) or (self.timing_allowed and tuned_shapes < MAX_TUNED_SHAPES)):
+                return None
+            plan = LinearPlan(key[0], key[1], key[2], x.dtype, epilogue, beta)
+            if isinstance(stored, dict) and stored.get("index") in plan.one_pass_candidates() \
+                    and plan.describe(stored["index"]) == stored.get("config"):
+                plan.chosen = stored["index"]
+                self.reused += 1
+            elif self.timing_allowed and tuned_shapes < MAX_TUNED_SHAPES:
+                started = time.perf_counter()
+                times = time_candidates(lambda i: trial(plan, i), plan.one_pass_candidates())
+                plan.chosen = min(times, key=times.get)
+                self.tuning_seconds += time.perf_counter() - started
+                self.tuned += 1
+                self._new[name] = {"index": plan.chosen, "config": plan.describe(plan.chosen),
+                                   "ms": {str(i): round(t, 4) for i, t in times.items()}}
+                write_picks(self.store, self._new)
+            else:
+                return None
+        except (RuntimeError, OSError) as error:   # no cuBLASLt, or a call it refused: torch's picks from here on
+            self.failure = str(error)
+            return None
+        self.plans[key] = plan
+        return plan
+
+
+_tuner: Optional[ProductTuner] = None
+
+
+def use_tuning(setting: str, device: torch.device, dtype: torch.dtype, n_tokens: int,
+               compiled: bool) -> tuple[str, str]:
+    """(mode, why) for --tune-products auto|on|off: mode "time" (time candidates for new shapes, keep stored
+    picks), "stored" (stored picks only) or "off" (torch's picks)."""
+    if setting == "off":
+        return "off", "torch's cuBLAS picks (--tune-products off)"
+    if device.type != "cuda" or dtype not in _DATA_TYPES:
+        return "off", "torch's picks (tuning is for 16-bit products on CUDA)"
+    if compiled:
+        return "off", "torch.compile's products (tuning runs eager only)"
+    if setting == "on" or n_tokens >= TUNE_MIN_TOKENS:
+        return "time", f"on ({'--tune-products on' if setting == 'on' else 'auto'})"
+    too_few = f"{n_tokens:,} tokens are too few to repay timing candidates; it pays from {TUNE_MIN_TOKENS:,}"
+    if not picks_store().is_file():
+        return "off", f"torch's cuBLAS picks (auto: {too_few}, and no picks are stored)"
+    return "stored", f"stored picks only (auto: {too_few})"
+
+
+def picks_store() -> Path:
+    from ..config import cache_dir
+    return cache_dir() / "cublaslt_picks.json"
+
+
+def start_tuning(store: Optional[Path], timing_allowed: bool = True) -> ProductTuner:
+    """Route `linear` through tuned cuBLASLt plans from now on (until stop_tuning)."""
+    global _tuner
+    _tuner = ProductTuner(store, timing_allowed)
+    return _tuner
+
+
+def stop_tuning() -> None:
+    global _tuner
+    _tuner = None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, gelu: bool = False,
+           accumulate_into: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x (M, K) @ weight (N, K)^T, plus bias, then GELU (tanh approximation, GPT-2's) when gelu; or, with
+    accumulate_into (M, N), added into it in place (no bias, no GELU). torch's own call unless a tuner runs."""
+    tuner = _tuner
+    if tuner is not None and x.is_cuda and x.device.index == torch.cuda.current_device() \
+            and x.is_contiguous() and weight.is_contiguous() \
+            and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype):
+        if accumulate_into is not None:
+            assert bias is None and not gelu
+            scratch = {}
+
+            def trial(p: LinearPlan, i: int) -> torch.Tensor:
+                if "out" not in scratch:   # only when timing: candidates add into a copy, x's sum gets one product
+                    scratch["out"] = accumulate_into.clone()
+                return p.run(x, weight, out=scratch["out"], index=i)
+
+            plan = tuner.plan(x, weight, EPILOGUE_DEFAULT, 1.0, trial)
+            if plan is not None:
+                return plan.run(x, weight, out=accumulate_into)
+        else:
+            epilogue = (EPILOGUE_GELU if gelu else EPILOGUE_DEFAULT) if bias is None else \
+                (EPILOGUE_GELU_BIAS if gelu else EPILOGUE_BIAS)
+            plan = tuner.plan(x, weight, epilogue, 0.0, lambda p, i: p.run(x, weight, bias, index=i))
+            if plan is not None:
+                return plan.run(x, weight, bias)
+    if accumulate_into is not None:
+        return accumulate_into.addmm_(x, weight.t())
+    if gelu:
+        if x.is_cuda and bias is not None:   # cuBLASLt's GELU epilogue is the tanh one; on the CPU it is erf's
+            return torch._addmm_activation(bias, x, weight.t(), use_gelu=True)
+        return F.gelu(F.linear(x, weight, bias), approximate="tanh")
+    return F.linear(x, weight, bias)
+
+
+def _tuned_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    shape = x.shape
+    return linear(x.reshape(-1, shape[-1]), self.weight, self.bias).view(*shape[:-1], -1)
+
+
+def route_linears(model: nn.Module) -> int:
+    """Send every nn.Linear's forward through `linear` (tuned while a tuner runs); returns how many."""
+    routed = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.forward = _tuned_linear_forward.__get__(module)
+            routed += 1
+    return routed
+
+
+def unroute_linears(model: nn.Module) -> None:
+    for module in model.modules():
+        if type(module) is nn.Linear and "forward" in module.__dict__:
+            del module.forward
