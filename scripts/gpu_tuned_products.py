@@ -1,6 +1,6 @@
 """Issue 3 (session 18): GPT-2 124M's dense scorer (64 x 1024, bf16, as eval runs it) with every linear product
 through cuBLASLt's fastest one-pass candidate (fastppl.accel.cublaslt) against torch's picks, interleaved rounds;
-the two scorers' NLL bit for bit; and every one-pass candidate of the four products against torch's call, bit for
+the scorers' NLL bit for bit; and every one-pass candidate of the four products against torch's call, bit for
 bit. Predicted from scripts/gpu_cublaslt_algos.py (H100, each product alone): -0.12 ms a layer, so about -1.4 ms of
 a ~33.7 ms batch (+4 %). Prints a table last; writes $OUT/tuned_products.json."""
 import json
@@ -18,22 +18,32 @@ model, score, batch = dense_gpt2_scorer(64, 1024)
 lt.route_linears(model)
 with torch.inference_mode():
     reference = score(*batch).clone()
-    started = time.perf_counter()
-    tuner = lt.start_tuning(None)
-    tuned = score(*batch).clone()
-    torch.cuda.synchronize()
-    results["first_tuned_batch_s"] = time.perf_counter() - started
-    results["tuning_s"] = tuner.tuning_seconds
-    results["summary"] = tuner.summary()
-    results["picks"] = {str(key[:3]) + f" epilogue {key[4]} beta {key[5]}": plan.chosen
-                        for key, plan in tuner.plans.items() if plan is not None}
-    results["nll_equal"] = torch.equal(reference, tuned)
-    results["nll_max_abs_diff"] = (reference - tuned).abs().max().item()
+    tuners = {}
+    limits_shipped = lt.WORKSPACE_LIMITS
+    # the heuristic's usual candidates only (each preceded by a memset), then those and the no-workspace ones
+    for name, limits in (("tuned, with workspace", (lt.WORKSPACE_BYTES,)), ("tuned, either", (lt.WORKSPACE_BYTES, 0))):
+        lt.WORKSPACE_LIMITS = limits
+        started = time.perf_counter()
+        tuner = tuners[name] = lt.start_tuning(None)
+        tuned = score(*batch).clone()
+        torch.cuda.synchronize()
+        results[name] = {
+            "first_batch_s": time.perf_counter() - started, "tuning_s": tuner.tuning_seconds,
+            "summary": tuner.summary(), "nll_equal": torch.equal(reference, tuned),
+            "picks": {f"{key[:3]} epilogue {key[4]} beta {key[5]}": (plan.workspace_limit, plan.chosen,
+                                                                      plan.candidates[plan.chosen].workspace_size)
+                      for key, plan in tuner.plans.items() if plan is not None}}
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            score(*batch); torch.cuda.synchronize()
+        results[name]["memsets_a_batch"] = sum("memset" in e.name.lower() for e in prof.events()
+                                               if e.device_type == torch.autograd.DeviceType.CUDA)
+    lt.WORKSPACE_LIMITS = limits_shipped
 
     def use(active):
         return lambda: setattr(lt, "_tuner", active)
 
-    times = interleaved_rounds_ms(lambda: score(*batch), {"torch's picks": use(None), "tuned": use(tuner)},
+    times = interleaved_rounds_ms(lambda: score(*batch), {"torch's picks": use(None),
+                                                          **{name: use(t) for name, t in tuners.items()}},
                                   rounds=5, calls=20)
     results["ms_per_batch"] = times
 
@@ -44,30 +54,34 @@ with torch.inference_mode():
     stream = torch.randn(M, C, device=dev, dtype=torch.bfloat16)
     block = model.blocks[0]
     checks = {
-        "up": (lt.LinearPlan(M, 4 * C, C, torch.bfloat16, lt.EPILOGUE_GELU_BIAS),
+        "up": ((4 * C, C, lt.EPILOGUE_GELU_BIAS, 0.0),
                lambda: torch._addmm_activation(block.mlp.fc.bias, x, block.mlp.fc.weight.t(), use_gelu=True),
                lambda p, i: p.run(x, block.mlp.fc.weight, block.mlp.fc.bias, index=i)),
-        "qkv": (lt.LinearPlan(M, 3 * C, C, torch.bfloat16, lt.EPILOGUE_BIAS),
+        "qkv": ((3 * C, C, lt.EPILOGUE_BIAS, 0.0),
                 lambda: torch.nn.functional.linear(x, block.attn.qkv.weight, block.attn.qkv.bias),
                 lambda p, i: p.run(x, block.attn.qkv.weight, block.attn.qkv.bias, index=i)),
-        "proj": (lt.LinearPlan(M, C, C, torch.bfloat16, lt.EPILOGUE_DEFAULT, 1.0),
+        "proj": ((C, C, lt.EPILOGUE_DEFAULT, 1.0),
                  lambda: stream.clone().addmm_(x, block.attn.proj.weight.t()),
                  lambda p, i: p.run(x, block.attn.proj.weight, out=stream.clone(), index=i)),
-        "down": (lt.LinearPlan(M, C, 4 * C, torch.bfloat16, lt.EPILOGUE_DEFAULT, 1.0),
+        "down": ((C, 4 * C, lt.EPILOGUE_DEFAULT, 1.0),
                  lambda: stream.clone().addmm_(h, block.mlp.proj.weight.t()),
                  lambda p, i: p.run(h, block.mlp.proj.weight, out=stream.clone(), index=i)),
     }
     results["candidates_equal"] = {}
-    for name, (plan, torch_call, plan_call) in checks.items():
+    for name, (shape, torch_call, plan_call) in checks.items():
         expected = torch_call()
-        results["candidates_equal"][name] = {i: torch.equal(plan_call(plan, i), expected)
-                                             for i in plan.one_pass_candidates()}
+        for limit in (lt.WORKSPACE_BYTES, 0):
+            plan = lt.LinearPlan(M, *shape[:2], torch.bfloat16, *shape[2:], workspace_limit=limit)
+            results["candidates_equal"][f"{name}, workspace {limit}"] = \
+                [torch.equal(plan_call(plan, i), expected) for i in plan.one_pass_candidates()]
 
 os.makedirs(os.environ.get("OUT", "."), exist_ok=True)
 with open(os.path.join(os.environ.get("OUT", "."), "tuned_products.json"), "w") as f:
     json.dump(results, f, indent=1)
-print(json.dumps({k: v for k, v in results.items() if k != "ms_per_batch"}, indent=1))
+for key, value in results.items():
+    if key != "ms_per_batch":
+        print(key, json.dumps(value))
 print(f"\n{results['device']}: GPT-2 124M dense scorer, 64 x 1024, ms a batch (5 interleaved rounds of 20)")
 for name, t in times.items():
-    print(f"{name:15s} median {sorted(t)[2]:7.3f}  rounds {' '.join(f'{v:.3f}' for v in t)}  "
+    print(f"{name:22s} median {sorted(t)[2]:7.3f}  rounds {' '.join(f'{v:.3f}' for v in t)}  "
           f"{65536 / sorted(t)[2] * 1e3:,.0f} tok/s")

@@ -183,20 +183,23 @@ def test_every_one_pass_cublaslt_candidate_gives_torchs_result():
     w_proj, w_down = torch.randn(C, C, generator=g, **bf16) * 0.02, torch.randn(C, 4 * C, generator=g, **bf16) * 0.02
     b_up, b_qkv = torch.randn(4 * C, generator=g, **bf16), torch.randn(3 * C, generator=g, **bf16)
     cases = [
-        (lt.LinearPlan(M, 4 * C, C, torch.bfloat16, lt.EPILOGUE_GELU_BIAS),
+        ((4 * C, C, lt.EPILOGUE_GELU_BIAS, 0.0),
          torch._addmm_activation(b_up, x, w_up.t(), use_gelu=True), lambda p, i: p.run(x, w_up, b_up, index=i)),
-        (lt.LinearPlan(M, 3 * C, C, torch.bfloat16, lt.EPILOGUE_BIAS),
+        ((3 * C, C, lt.EPILOGUE_BIAS, 0.0),
          torch.nn.functional.linear(x, w_qkv, b_qkv), lambda p, i: p.run(x, w_qkv, b_qkv, index=i)),
-        (lt.LinearPlan(M, C, C, torch.bfloat16, lt.EPILOGUE_DEFAULT, 1.0),
+        ((C, C, lt.EPILOGUE_DEFAULT, 1.0),
          stream.clone().addmm_(x, w_proj.t()), lambda p, i: p.run(x, w_proj, out=stream.clone(), index=i)),
-        (lt.LinearPlan(M, C, 4 * C, torch.bfloat16, lt.EPILOGUE_DEFAULT, 1.0),
+        ((C, 4 * C, lt.EPILOGUE_DEFAULT, 1.0),
          stream.clone().addmm_(h, w_down.t()), lambda p, i: p.run(h, w_down, out=stream.clone(), index=i)),
     ]
-    for plan, expected, run in cases:
-        candidates = plan.one_pass_candidates()
+    for (n_out, n_in, epilogue, beta), expected, run in cases:
+        candidates = 0
+        for limit in lt.WORKSPACE_LIMITS:   # the tuner's two heuristic queries
+            plan = lt.LinearPlan(M, n_out, n_in, torch.bfloat16, epilogue, beta, workspace_limit=limit)
+            for i in plan.one_pass_candidates():
+                assert torch.equal(run(plan, i), expected), (epilogue, beta, limit, i, plan.describe(i))
+                candidates += 1
         assert candidates
-        for i in candidates:
-            assert torch.equal(run(plan, i), expected), (plan.epilogue, plan.beta, i, plan.describe(i))
 
 
 def test_tuned_products_score_as_torchs_and_stored_picks_are_reused(tmp_path):
