@@ -40,17 +40,90 @@ def test_routing_linears_changes_no_result():
 
 def test_tuning_policy():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert cublaslt.use_tuning("off", cuda, torch.bfloat16, 10**9, False)[0] == "off"
-    assert cublaslt.use_tuning("on", cpu, torch.float32, 10**9, False)[0] == "off"
-    assert cublaslt.use_tuning("on", cuda, torch.float32, 10**9, False)[0] == "off"     # fp32: torch's picks
-    assert cublaslt.use_tuning("on", cuda, torch.bfloat16, 10**9, True)[0] == "off"     # Inductor's products
-    assert cublaslt.use_tuning("on", cuda, torch.bfloat16, 1, False) == ("time", "on (--tune-products on)")
-    assert cublaslt.use_tuning("auto", cuda, torch.float16, cublaslt.TUNE_MIN_TOKENS, False) == ("time", "on (auto)")
-    mode, why = cublaslt.use_tuning("auto", cuda, torch.bfloat16, 1000, False)
-    assert mode == "off" and "no picks are stored" in why          # conftest: an empty cache directory
+    many, few = {65536: 10**9}, {65536: 1000}
+    assert cublaslt.use_tuning("off", cuda, torch.bfloat16, many, False).mode == "off"
+    assert cublaslt.use_tuning("on", cpu, torch.float32, many, False).mode == "off"
+    assert cublaslt.use_tuning("on", cuda, torch.float32, many, False).mode == "off"     # fp32: torch's picks
+    assert cublaslt.use_tuning("on", cuda, torch.bfloat16, many, True).mode == "off"     # Inductor's products
+    on = cublaslt.use_tuning("on", cuda, torch.bfloat16, few, False)
+    assert (on.mode, on.reason, on.timed_rows) == ("time", "on (--tune-products on)", None)
+    # auto times only the shapes that run enough positions to repay it (a last batch of other rows does not)
+    auto = cublaslt.use_tuning("auto", cuda, torch.float16, {65536: cublaslt.TUNE_MIN_TOKENS, 4096: 4096}, False)
+    assert (auto.mode, auto.timed_rows) == ("time", {65536})
+    short = cublaslt.use_tuning("auto", cuda, torch.bfloat16, few, False)
+    assert short.mode == "off" and "no picks are stored" in short.reason      # conftest: an empty cache directory
     cublaslt.write_picks(cublaslt.picks_store(), {"some GPU|cublasLt 1|shape": {"index": 1, "config": {}}})
-    mode, why = cublaslt.use_tuning("auto", cuda, torch.bfloat16, 1000, False)
-    assert mode == "stored" and "too few" in why
+    short = cublaslt.use_tuning("auto", cuda, torch.bfloat16, few, False)
+    assert short.mode == "stored" and "too few" in short.reason
+
+
+class _FakePlan:
+    """LinearPlan's interface without cuBLASLt: candidates 0-2, described by their index."""
+    def __init__(self, *key, workspace_limit=cublaslt.WORKSPACE_BYTES):
+        self.key, self.workspace_limit, self.chosen = key, workspace_limit, 0
+
+    def one_pass_candidates(self):
+        return [0, 1, 2]
+
+    def describe(self, index):
+        return {"tile": index}
+
+
+def _tuner(monkeypatch, store, **kwargs):
+    monkeypatch.setattr(cublaslt, "LinearPlan", _FakePlan)
+    monkeypatch.setattr(cublaslt.ProductTuner, "_name", lambda self, key: "shape")
+    return cublaslt.ProductTuner(store, **kwargs)
+
+
+def _product(results=None, fail=None):
+    """A product whose candidate i gives results[i] (torch's result is 0) and takes 3 - i ms."""
+    results = results or [0, 0, 0]
+
+    def candidate(plan, i):
+        if fail is not None:
+            raise fail
+        return torch.tensor([results[i]])
+
+    return cublaslt.Product((65536, 8, 8, torch.bfloat16, cublaslt.EPILOGUE_DEFAULT, 0.0),
+                            lambda: torch.tensor([0]), candidate, candidate)
+
+
+def test_tuner_keeps_the_fastest_candidate_that_gives_torchs_result(monkeypatch, tmp_path):
+    store = tmp_path / "picks.json"
+    monkeypatch.setattr(cublaslt, "time_candidates", lambda trial, indices: {k: 3.0 - k for k in indices})
+    tuner = _tuner(monkeypatch, store)
+    plan = tuner.plan(_product(results=[0, 0, 1]))   # candidate 2 is fastest but differs from torch's result
+    assert plan.chosen == 1 and tuner.tuned == 1 and tuner.dropped == 1
+    assert cublaslt.read_picks(store)["shape"]["index"] == 1
+    assert "1 candidates left out" in tuner.summary()
+    reused = _tuner(monkeypatch, store, timing_allowed=False).plan(_product(results=[0, 0, 1]))
+    assert reused.chosen == 1
+    # a stored pick that no longer gives torch's result is not taken
+    assert _tuner(monkeypatch, store, timing_allowed=False).plan(_product(results=[0, 1, 1])) is None
+    # shapes outside timed_rows run torch's call
+    assert _tuner(monkeypatch, tmp_path / "other.json", timed_rows={4096}).plan(_product()) is None
+
+
+@pytest.mark.parametrize("entry", [{"index": 1.0, "workspace_limit": cublaslt.WORKSPACE_BYTES, "config": {"tile": 1}},
+                                   {"index": "1", "workspace_limit": cublaslt.WORKSPACE_BYTES, "config": {"tile": 1}},
+                                   {"index": 1, "workspace_limit": 1.5, "config": {"tile": 1}},
+                                   {"index": 1, "config": {"tile": 1}},
+                                   {"index": 1, "workspace_limit": cublaslt.WORKSPACE_BYTES, "config": {"tile": 2}},
+                                   {"index": 7, "workspace_limit": cublaslt.WORKSPACE_BYTES, "config": {"tile": 7}},
+                                   [1, 2], "text"])
+def test_damaged_stored_picks_are_not_taken(monkeypatch, tmp_path, entry):
+    store = tmp_path / "picks.json"
+    store.write_text(json.dumps({"shape": entry}))
+    tuner = _tuner(monkeypatch, store, timing_allowed=False)
+    assert tuner.plan(_product()) is None and tuner.failure is None
+
+
+def test_tuner_falls_back_to_torch_on_a_cublaslt_error_but_not_on_out_of_memory(monkeypatch, tmp_path):
+    tuner = _tuner(monkeypatch, tmp_path / "picks.json")
+    assert tuner.plan(_product(fail=RuntimeError("cuBLAS status 7"))) is None
+    assert "cuBLAS status 7" in tuner.failure and "failed" in tuner.summary()
+    with pytest.raises(torch.OutOfMemoryError):
+        _tuner(monkeypatch, tmp_path / "picks.json").plan(_product(fail=torch.OutOfMemoryError("out of memory")))
 
 
 def test_picks_store_merges_and_survives_damage(tmp_path):

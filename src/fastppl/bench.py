@@ -141,7 +141,9 @@ def _time_labels_peer(model, rows: np.ndarray, batch_size: int, device, autocast
 
 
 def _time_fastppl(model, rows: np.ndarray, batch_size: int, device, loss: str, compile_on: bool,
-                  chunk_rows: int = 8192, tuning: str = "off") -> tuple[float, float, int, float, str]:
+                  chunk_rows: int = 8192, tuning=None) -> tuple[float, float, int, float, str]:
+    """(seconds, mean NLL, tokens, warm-up seconds, whose products ran); tuning: a cublaslt.TuningChoice, or None
+    for torch's products."""
     from .accel.compile import compile_score_fn
     from .engine.score import DeviceSums, make_score_fn, score_batches
     T = rows.shape[1] - 1
@@ -161,11 +163,12 @@ def _time_fastppl(model, rows: np.ndarray, batch_size: int, device, loss: str, c
     batches = [Batch(np.ascontiguousarray(rows[b:b + batch_size, :T]), np.ascontiguousarray(rows[b:b + batch_size, 1:]),
                      ones, index, batch_size * T, batch_size) for b in range(0, n_rows, batch_size)]
     from .accel import cublaslt
-    products = "torch's cuBLAS picks"
+    tuning = tuning or cublaslt.TuningChoice("off", "")
+    products = ""
     try:
-        if tuning != "off":   # as eval: linears through cuBLASLt's candidates, timed (or read) in the warm-up
+        if tuning.mode != "off":   # as eval: linears through cuBLASLt's candidates, timed (or read) in the warm-up
             cublaslt.route_linears(model)
-            tuner = cublaslt.start_tuning(cublaslt.picks_store(), timing_allowed=tuning == "time")
+            tuner = cublaslt.start_tuning(cublaslt.picks_store(), tuning.mode == "time", tuning.timed_rows)
         compile_started = time.perf_counter()
         # warm-up: compiles, loads the Triton kernels, runs cuBLAS heuristics
         score_batches(score_fn, batches[:2], DeviceSums.zeros(T, device), device)
@@ -176,7 +179,7 @@ def _time_fastppl(model, rows: np.ndarray, batch_size: int, device, loss: str, c
         score_batches(score_fn, batches, sums, device)
         nll_sum = sums.nll_sum.item()
         seconds = time.perf_counter() - started
-        if tuning != "off":
+        if tuning.mode != "off":
             products = tuner.summary()
     finally:
         cublaslt.stop_tuning()
@@ -259,15 +262,15 @@ def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_le
         # by default what `fastppl eval` runs for a run of this size (accel.compile.use_compile): for GPT-2
         # eager with the fused loss and, on CUDA, the fused MLP epilogue and norms
         compile_on, compile_reason = use_compile(compile, device, n_rows * seq_len, loss, model_family(model))
-        tuning, tuning_reason = use_tuning(tune_products, device, model.lm_head.weight.dtype, n_rows * seq_len,
-                                           compile_on)
+        tuning = use_tuning(tune_products, device, model.lm_head.weight.dtype,
+                            {batch_size * seq_len: n_rows * seq_len}, compile_on)
         s, nll, tok, compile_s, products = _time_fastppl(model, rows, batch_size, device, loss, compile_on,
                                                          tuning=tuning)
         how = "compiled" if compile_on else f"eager{', MLP epilogue, fused norms' if on_cuda else ''}"
         record(BenchRow("fastppl", tok, s, nll, _peak(device),
                         f"{loss} loss, {how}, batch {batch_size}, {'compile + ' if compile_on else ''}"
                         f"warm-up {compile_s:.1f} s", compile_reason,
-                        products=products if tuning == "off" else f"{tuning_reason}: {products}"))
+                        products=tuning.reason if tuning.mode == "off" else f"{tuning.reason}: {products}"))
         if variants:
             # the same weights for every variant: _time_fastppl undoes the fusions, and the Dynamo reset
             # keeps a variant from silently reusing another's compiled graph

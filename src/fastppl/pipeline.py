@@ -9,6 +9,7 @@ import platform
 import sys
 import signal
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
@@ -18,7 +19,8 @@ import torch
 from . import __version__
 from .accel.batch_size import auto_batch_size, balanced_batch_size, scoring_memory_bound
 from .accel.compile import allow_shapes, compile_score_fn, model_family, use_compile
-from .accel.cublaslt import picks_store, route_linears, start_tuning, stop_tuning, unroute_linears, use_tuning
+from .accel.cublaslt import (TuningChoice, picks_store, route_linears, start_tuning, stop_tuning, unroute_linears,
+                             use_tuning)
 from .accel.fused_mlp import fuse_mlp_epilogue
 from .accel.warm_up import start_cuda_warm_up
 from .config import EvalConfig
@@ -35,9 +37,9 @@ from .engine.score import DeviceSums, make_score_fn, score_batches, score_plans
 from .errors import FastpplError
 from .metrics import lm_eval_word_count, per_unit_metrics, perplexity
 from .models import load_model
+from .models.attention import document_attention_backend, varlen_available, varlen_failure
 from .models.gpt2 import GPT2
 from .models.llama import Llama
-from .models.attention import document_attention_backend, varlen_available, varlen_failure
 from .progress import Progress
 from .resume import KILL_AFTER_BATCHES_ENV, Checkpointer, data_sha256, model_files, run_fingerprint
 
@@ -286,14 +288,18 @@ def evaluate(config: EvalConfig) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     # after the batch size is chosen, so that the probe's shapes are not timed
-    tuning, products = use_tuning(config.tune_products, device, dtype, n_scored, compiled)
-    if tuning != "off" and not isinstance(model, (GPT2, Llama)):
-        tuning, products = "off", "torch's picks (tuning is for fastppl's native models)"
-    elif tuning != "off" and use_kv_cache:
-        tuning, products = "off", "torch's picks (the cached sliding rows change shape at every stride)"
-    if tuning != "off":
+    positions_by_rows = Counter()   # a batch's products have its positions as rows; this process's batches only
+    for plan in plans_here[start_batch:]:
+        positions_by_rows[plan.n_rows * plan.seq_len] += plan.n_rows * plan.seq_len
+    tuning = use_tuning(config.tune_products, device, dtype, positions_by_rows, compiled)
+    if tuning.mode != "off" and not isinstance(model, (GPT2, Llama)):
+        tuning = TuningChoice("off", "torch's picks (tuning is for fastppl's native models)")
+    elif tuning.mode != "off" and use_kv_cache:
+        tuning = TuningChoice("off", "torch's picks (the cached sliding rows change shape at every stride)")
+    products = tuning.reason
+    if tuning.mode != "off":
         route_linears(model)
-        tuner = start_tuning(picks_store(), timing_allowed=tuning == "time")
+        tuner = start_tuning(picks_store(), tuning.mode == "time", tuning.timed_rows)
     scoring_started = time.perf_counter()
     try:
         if use_kv_cache:
@@ -312,10 +318,10 @@ def evaluate(config: EvalConfig) -> dict:
                         lambda p: batch_from_plan(p, refs, stream_ids, target_offsets),
                         sums, device, on_batch=after_batch, split=None if checkpointer else split_rows)
             tokens_forwarded = sum(r.window.length for r in refs)
-        if tuning != "off":
+        if tuning.mode != "off":
             products = f"{products}: {tuner.summary()}"
     finally:
-        if tuning != "off":
+        if tuning.mode != "off":
             stop_tuning()
             unroute_linears(model)
     if dist:

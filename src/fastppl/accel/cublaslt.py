@@ -11,13 +11,14 @@ cuBLASLt is reached through ctypes, in the copy torch loaded. Row-major torch te
 out (M, N) = x (M, K) @ weight (N, K)^T is, column-major, out^T (N, M) = op_T(weight as stored (K, N)) . x^T (K, M)."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 COMPUTE_32F = 68        # cublasComputeType_t CUBLAS_COMPUTE_32F
 R_32F, R_16F, R_16BF = 0, 2, 14   # cudaDataType_t
 OP_N, OP_T = 0, 1
-DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER, DESC_SM_COUNT_TARGET = 3, 4, 7, 8, 15
+DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER = 3, 4, 7, 8
 PREF_MAX_WORKSPACE_BYTES = 1
 EPILOGUE_DEFAULT, EPILOGUE_BIAS, EPILOGUE_GELU, EPILOGUE_GELU_BIAS = 1, 4, 32, 36
 # cublasLtMatmulAlgoConfigAttributes_t, for describing a candidate
@@ -38,6 +39,7 @@ WORKSPACE_BYTES = 32 << 20
 # moved nothing (33.174 vs 33.168 ms a batch, H100, session 18) and cost 0.2 s more timing
 WORKSPACE_LIMITS = (WORKSPACE_BYTES,)
 _DATA_TYPES = {torch.bfloat16: R_16BF, torch.float16: R_16F}
+ALIGNMENT = 256   # the heuristic's default minimum alignment of every operand's address, in bytes
 
 
 class _HeuristicResult(ctypes.Structure):
@@ -68,17 +70,20 @@ def library() -> ctypes.CDLL:
         if path is None:
             raise RuntimeError("libcublasLt is not loaded in this process")
         lib = ctypes.CDLL(path)
-        P, I, S = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+        pointer, integer, size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
         signatures = {
-            "cublasLtCreate": [P],
-            "cublasLtMatmulDescCreate": [P, I, I],
-            "cublasLtMatmulDescSetAttribute": [P, I, P, S],
-            "cublasLtMatrixLayoutCreate": [P, I, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64],
-            "cublasLtMatmulPreferenceCreate": [P],
-            "cublasLtMatmulPreferenceSetAttribute": [P, I, P, S],
-            "cublasLtMatmulAlgoGetHeuristic": [P, P, P, P, P, P, P, I, P, P],
-            "cublasLtMatmulAlgoConfigGetAttribute": [P, I, P, S, P],
-            "cublasLtMatmul": [P] * 14 + [S, P],
+            "cublasLtCreate": [pointer],
+            "cublasLtMatmulDescCreate": [pointer, integer, integer],
+            "cublasLtMatmulDescSetAttribute": [pointer, integer, pointer, size],
+            "cublasLtMatmulDescDestroy": [pointer],
+            "cublasLtMatrixLayoutCreate": [pointer, integer, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64],
+            "cublasLtMatrixLayoutDestroy": [pointer],
+            "cublasLtMatmulPreferenceCreate": [pointer],
+            "cublasLtMatmulPreferenceSetAttribute": [pointer, integer, pointer, size],
+            "cublasLtMatmulPreferenceDestroy": [pointer],
+            "cublasLtMatmulAlgoGetHeuristic": [pointer] * 7 + [integer, pointer, pointer],
+            "cublasLtMatmulAlgoConfigGetAttribute": [pointer, integer, pointer, size, pointer],
+            "cublasLtMatmul": [pointer] * 14 + [size, pointer],
             "cublasLtGetVersion": [],
         }
         for name, argtypes in signatures.items():
@@ -115,7 +120,6 @@ class LinearPlan:
     dtype: torch.dtype
     epilogue: int
     beta: float = 0.0
-    sm_count_target: int = 0   # 0: all of the GPU's SMs (cuBLASLt's default)
     # the heuristic's workspace allowance: with 0 it offers kernels that need none, and so no memset before them
     workspace_limit: int = WORKSPACE_BYTES
     candidates: list = field(default_factory=list)
@@ -125,15 +129,12 @@ class LinearPlan:
         lib = library()
         data_type = _DATA_TYPES[self.dtype]
         self._desc = ctypes.c_void_p()
+        self._a, self._b, self._d = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self._desc), COMPUTE_32F, R_32F), "matmul descriptor")
         _set(lib.cublasLtMatmulDescSetAttribute, self._desc, DESC_TRANSA, ctypes.c_int32(OP_T))
         _set(lib.cublasLtMatmulDescSetAttribute, self._desc, DESC_TRANSB, ctypes.c_int32(OP_N))
         _set(lib.cublasLtMatmulDescSetAttribute, self._desc, DESC_EPILOGUE, ctypes.c_uint32(self.epilogue))
-        if self.sm_count_target:
-            _set(lib.cublasLtMatmulDescSetAttribute, self._desc, DESC_SM_COUNT_TARGET,
-                 ctypes.c_int32(self.sm_count_target))
         M, N, K = self.rows, self.out_features, self.in_features
-        self._a, self._b, self._d = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
         _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._a), data_type, K, N, K), "layout A")
         _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._b), data_type, K, M, K), "layout B")
         _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._d), data_type, N, M, N), "layout D")
@@ -148,7 +149,15 @@ class LinearPlan:
         _check(lib.cublasLtMatmulAlgoGetHeuristic(_handle, self._desc, self._a, self._b, self._d, self._d,
                                                   preference, 64, ctypes.byref(results), ctypes.byref(found)),
                "heuristic")
+        lib.cublasLtMatmulPreferenceDestroy(preference)
         self.candidates = [results[i] for i in range(found.value) if results[i].state == 0]
+
+    def __del__(self):
+        if _library is not None and getattr(self, "_desc", None):
+            _library.cublasLtMatmulDescDestroy(self._desc)
+            for layout in (self._a, self._b, self._d):
+                if layout:
+                    _library.cublasLtMatrixLayoutDestroy(layout)
 
     def _set_bias(self, pointer: int) -> None:
         _set(library().cublasLtMatmulDescSetAttribute, self._desc, DESC_BIAS_POINTER, ctypes.c_void_p(pointer))
@@ -199,7 +208,7 @@ class LinearPlan:
 # shapes: timing costs ~0.3 s once and saves ~1.5-2 % of the scoring time, ~17 ms per 2 M tokens
 TUNE_MIN_TOKENS = 33_554_432
 MIN_TUNED_ROWS = 4096      # below this a product is latency-bound and the candidates differ by noise
-MAX_TUNED_SHAPES = 16      # bounds the timing at start-up when batches come in many shapes
+MAX_TUNED_PRODUCTS = 16    # bounds the timing when batches come in many shapes (GPT-2: four products a shape)
 
 
 def time_candidates(trial, indices: list[int], rounds: int = 5, calls: int = 3) -> dict[int, float]:
@@ -237,25 +246,40 @@ def write_picks(store: Optional[Path], picks: dict) -> None:
     be written only costs the timing next time."""
     if store is None:
         return
+    partial = store.with_name(f"{store.name}.{os.getpid()}.tmp")
     try:
         store.parent.mkdir(parents=True, exist_ok=True)
-        partial = store.with_name(f"{store.name}.{os.getpid()}.tmp")
         partial.write_text(json.dumps({**read_picks(store), **picks}, indent=1, sort_keys=True))
         os.replace(partial, store)
     except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+
+
+@dataclass
+class Product:
+    """One call of `linear` as the tuner sees it: torch's result on fresh memory, a candidate's result on fresh
+    memory (to compare), and a candidate's call on scratch memory (to time)."""
+    key: tuple                      # (rows, out_features, in_features, dtype, epilogue, beta)
+    torch_result: Callable[[], torch.Tensor]
+    candidate_result: Callable[[LinearPlan, int], torch.Tensor]
+    candidate_timed: Callable[[LinearPlan, int], object]
 
 
 class ProductTuner:
     """The fastest one-pass cuBLASLt candidate for each product shape this run meets, timed at the shape's first
     call on its operands, or read from `store` (picks of an earlier run on the same GPU and cuBLASLt version).
-    timing_allowed=False takes stored picks only, and torch's pick for the rest."""
+    Only candidates whose result equals torch's bit for bit on those operands are kept. timing_allowed=False takes
+    stored picks only; timed_rows, when given, limits timing to products of those row counts (the shapes of
+    enough batches to repay it). Other products run torch's call."""
 
-    def __init__(self, store: Optional[Path], timing_allowed: bool = True):
+    def __init__(self, store: Optional[Path], timing_allowed: bool = True,
+                 timed_rows: Optional[set[int]] = None):
         self.store = store
         self.timing_allowed = timing_allowed
+        self.timed_rows = timed_rows
         self.plans: dict[tuple, Optional[LinearPlan]] = {}
-        self.tuned = self.reused = 0
+        self.tuned = self.reused = self.dropped = 0
         self.tuning_seconds = 0.0
         self.failure: Optional[str] = None
         self._stored = read_picks(store)
@@ -268,54 +292,71 @@ class ProductTuner:
                 ([f"{self.reused} reused from {self.store}"] if self.reused else [])
         if not parts:
             return "torch's cuBLAS picks (no product shape was tuned)"
-        return "cuBLASLt's fastest candidate per product shape: " + ", ".join(parts)
+        dropped = f"; {self.dropped} candidates left out for differing from torch's result" if self.dropped else ""
+        return "cuBLASLt's fastest candidate per product shape: " + ", ".join(parts) + dropped
+
+    def fail(self, error: Exception) -> None:
+        """No cuBLASLt, or a call it refused: torch's picks from here on."""
+        self.failure = str(error)
+        self.plans = dict.fromkeys(self.plans)
 
     def _name(self, key: tuple) -> str:
         rows, n_out, n_in, dtype, epilogue, beta = key
         return (f"{torch.cuda.get_device_name()}|cublasLt {library().cublasLtGetVersion()}|{rows}x{n_out}x{n_in}|"
                 f"{str(dtype).replace('torch.', '')}|epilogue {epilogue}|beta {beta:g}")
 
-    def plan(self, x: torch.Tensor, weight: torch.Tensor, epilogue: int, beta: float,
-             trial) -> Optional[LinearPlan]:
-        """The tuned plan for this product, or None for torch's call. trial(plan, index) runs candidate index on
-        the first call's operands, into scratch outputs."""
-        key = (x.shape[0], weight.shape[0], weight.shape[1], x.dtype, epilogue, beta)
+    def plan(self, product: Product) -> Optional[LinearPlan]:
+        """The tuned plan for this product, or None for torch's call."""
+        key = product.key
         if key not in self.plans:
             self.plans[key] = None   # torch's call, unless a pick is found
-            if not self.failure and x.shape[0] >= MIN_TUNED_ROWS and x.dtype in _DATA_TYPES:
+            if not self.failure and key[0] >= MIN_TUNED_ROWS and key[3] in _DATA_TYPES:
                 try:
-                    self.plans[key] = self._stored_plan(key) or self._timed_plan(key, trial)
-                except (RuntimeError, OSError) as error:   # no cuBLASLt, or a call it refused: torch's from now on
-                    self.failure = str(error)
+                    self.plans[key] = self._stored_plan(product) or self._timed_plan(product)
+                except torch.OutOfMemoryError:
+                    raise   # the scorer's own out-of-memory handling splits the batch
+                except (RuntimeError, OSError) as error:
+                    self.fail(error)
         return self.plans[key]
 
-    def _stored_plan(self, key: tuple) -> Optional[LinearPlan]:
-        stored = self._stored.get(self._name(key))
-        if not isinstance(stored, dict) or stored.get("workspace_limit") not in WORKSPACE_LIMITS:
+    def _stored_plan(self, product: Product) -> Optional[LinearPlan]:
+        stored = self._stored.get(self._name(product.key))
+        if not isinstance(stored, dict):
             return None
-        plan = LinearPlan(*key, workspace_limit=stored["workspace_limit"])
-        # the same candidate as when it was timed, or it is timed again
-        index = stored.get("index")
-        if index not in plan.one_pass_candidates() or plan.describe(index) != stored.get("config"):
+        limit, index = stored.get("workspace_limit"), stored.get("index")
+        if type(limit) is not int or limit not in WORKSPACE_LIMITS or type(index) is not int:
+            return None   # a damaged entry only costs the timing
+        plan = LinearPlan(*product.key, workspace_limit=limit)
+        # the same candidate as when it was timed, still giving torch's result, or it is timed again
+        if index not in plan.one_pass_candidates() or plan.describe(index) != stored.get("config") \
+                or not torch.equal(product.candidate_result(plan, index), product.torch_result()):
             return None
         plan.chosen = index
         self.reused += 1
         return plan
 
-    def _timed_plan(self, key: tuple, trial) -> Optional[LinearPlan]:
-        if not self.timing_allowed or sum(p is not None for p in self.plans.values()) >= MAX_TUNED_SHAPES:
+    def _timed_plan(self, product: Product) -> Optional[LinearPlan]:
+        if not self.timing_allowed or (self.timed_rows is not None and product.key[0] not in self.timed_rows) \
+                or sum(p is not None for p in self.plans.values()) >= MAX_TUNED_PRODUCTS:
             return None
         started = time.perf_counter()
-        plans = [LinearPlan(*key, workspace_limit=limit) for limit in WORKSPACE_LIMITS]
-        pairs = [(plan, i) for plan in plans for i in plan.one_pass_candidates()]
+        expected = product.torch_result()
+        pairs = []
+        for plan in (LinearPlan(*product.key, workspace_limit=limit) for limit in WORKSPACE_LIMITS):
+            for i in plan.one_pass_candidates():
+                if torch.equal(product.candidate_result(plan, i), expected):
+                    pairs.append((plan, i))
+                else:
+                    self.dropped += 1
+        del expected
         if not pairs:
             return None
-        times = time_candidates(lambda k: trial(*pairs[k]), list(range(len(pairs))))
+        times = time_candidates(lambda k: product.candidate_timed(*pairs[k]), list(range(len(pairs))))
         plan, index = pairs[min(times, key=times.get)]
         plan.chosen = index
         self.tuning_seconds += time.perf_counter() - started
         self.tuned += 1
-        self._new[self._name(key)] = {
+        self._new[self._name(product.key)] = {
             "workspace_limit": plan.workspace_limit, "index": index, "config": plan.describe(index),
             "ms": {f"workspace {p.workspace_limit}, candidate {i}": round(times[k], 4)
                    for k, (p, i) in enumerate(pairs)}}
@@ -326,22 +367,34 @@ class ProductTuner:
 _tuner: Optional[ProductTuner] = None
 
 
-def use_tuning(setting: str, device: torch.device, dtype: torch.dtype, n_tokens: int,
-               compiled: bool) -> tuple[str, str]:
-    """(mode, why) for --tune-products auto|on|off: mode "time" (time candidates for new shapes, keep stored
-    picks), "stored" (stored picks only) or "off" (torch's picks)."""
+@dataclass
+class TuningChoice:
+    mode: str                           # "time" (time new shapes, reuse stored picks), "stored" or "off"
+    reason: str
+    timed_rows: Optional[set[int]] = None   # "time" under auto: the product row counts worth timing
+
+
+def use_tuning(setting: str, device: torch.device, dtype: torch.dtype, positions_by_rows: dict[int, int],
+               compiled: bool) -> TuningChoice:
+    """--tune-products auto|on|off. positions_by_rows: {a batch's positions (its products' rows): the positions
+    this process runs in batches of that size}. auto times a shape's candidates only when the positions run at
+    that shape repay it (TUNE_MIN_TOKENS), and otherwise takes stored picks."""
     if setting == "off":
-        return "off", "torch's cuBLAS picks (--tune-products off)"
+        return TuningChoice("off", "torch's cuBLAS picks (--tune-products off)")
     if device.type != "cuda" or dtype not in _DATA_TYPES:
-        return "off", "torch's picks (tuning is for 16-bit products on CUDA)"
+        return TuningChoice("off", "torch's picks (tuning is for 16-bit products on CUDA)")
     if compiled:
-        return "off", "torch.compile's products (tuning runs eager only)"
-    if setting == "on" or n_tokens >= TUNE_MIN_TOKENS:
-        return "time", f"on ({'--tune-products on' if setting == 'on' else 'auto'})"
-    too_few = f"{n_tokens:,} tokens are too few to repay timing candidates; it pays from {TUNE_MIN_TOKENS:,}"
+        return TuningChoice("off", "torch.compile's products (tuning runs eager only)")
+    if setting == "on":
+        return TuningChoice("time", "on (--tune-products on)")
+    worth = {rows for rows, positions in positions_by_rows.items() if positions >= TUNE_MIN_TOKENS}
+    if worth:
+        return TuningChoice("time", "on (auto)", worth)
+    too_few = (f"{sum(positions_by_rows.values()):,} tokens are too few to repay timing candidates; it pays from "
+               f"{TUNE_MIN_TOKENS:,} at one batch shape")
     if not picks_store().is_file():
-        return "off", f"torch's cuBLAS picks (auto: {too_few}, and no picks are stored)"
-    return "stored", f"stored picks only (auto: {too_few})"
+        return TuningChoice("off", f"torch's cuBLAS picks (auto: {too_few}, and no picks are stored)")
+    return TuningChoice("stored", f"stored picks only (auto: {too_few})")
 
 
 def picks_store() -> Path:
@@ -349,10 +402,11 @@ def picks_store() -> Path:
     return cache_dir() / "cublaslt_picks.json"
 
 
-def start_tuning(store: Optional[Path], timing_allowed: bool = True) -> ProductTuner:
+def start_tuning(store: Optional[Path], timing_allowed: bool = True,
+                 timed_rows: Optional[set[int]] = None) -> ProductTuner:
     """Route `linear` through tuned cuBLASLt plans from now on (until stop_tuning)."""
     global _tuner
-    _tuner = ProductTuner(store, timing_allowed)
+    _tuner = ProductTuner(store, timing_allowed, timed_rows)
     return _tuner
 
 
@@ -361,32 +415,12 @@ def stop_tuning() -> None:
     _tuner = None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, gelu: bool = False,
-           accumulate_into: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x (M, K) @ weight (N, K)^T, plus bias, then GELU (tanh approximation, GPT-2's) when gelu; or, with
-    accumulate_into (M, N), added into it in place (no bias, no GELU). torch's own call unless a tuner runs."""
-    tuner = _tuner
-    if tuner is not None and x.is_cuda and x.device.index == torch.cuda.current_device() \
-            and x.is_contiguous() and weight.is_contiguous() \
-            and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype):
-        if accumulate_into is not None:
-            assert bias is None and not gelu
-            scratch = {}
+def _aligned(*tensors: Optional[torch.Tensor]) -> bool:
+    return all(t is None or t.data_ptr() % ALIGNMENT == 0 for t in tensors)
 
-            def trial(p: LinearPlan, i: int) -> torch.Tensor:
-                if "out" not in scratch:   # only when timing: candidates add into a copy, x's sum gets one product
-                    scratch["out"] = accumulate_into.clone()
-                return p.run(x, weight, out=scratch["out"], index=i)
 
-            plan = tuner.plan(x, weight, EPILOGUE_DEFAULT, 1.0, trial)
-            if plan is not None:
-                return plan.run(x, weight, out=accumulate_into)
-        else:
-            epilogue = (EPILOGUE_GELU if gelu else EPILOGUE_DEFAULT) if bias is None else \
-                (EPILOGUE_GELU_BIAS if gelu else EPILOGUE_BIAS)
-            plan = tuner.plan(x, weight, epilogue, 0.0, lambda p, i: p.run(x, weight, bias, index=i))
-            if plan is not None:
-                return plan.run(x, weight, bias)
+def _torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], gelu: bool,
+                  accumulate_into: Optional[torch.Tensor]) -> torch.Tensor:
     if accumulate_into is not None:
         return accumulate_into.addmm_(x, weight.t())
     if gelu:
@@ -394,6 +428,51 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
             return torch._addmm_activation(bias, x, weight.t(), use_gelu=True)
         return F.gelu(F.linear(x, weight, bias), approximate="tanh")
     return F.linear(x, weight, bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, gelu: bool = False,
+           accumulate_into: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x (M, K) @ weight (N, K)^T, plus bias, then GELU (tanh approximation, GPT-2's) when gelu; or, with
+    accumulate_into (M, N), added into it in place (no bias, no GELU). torch's own call unless a tuner runs."""
+    assert accumulate_into is None or (bias is None and not gelu)
+    tuner = _tuner
+    if tuner is None or tuner.failure or not x.is_cuda or x.device.index != torch.cuda.current_device() \
+            or not all(t.is_contiguous() for t in (x, weight, *(t for t in (bias, accumulate_into) if t is not None))) \
+            or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype) \
+            or not _aligned(x, weight, bias, accumulate_into):
+        return _torch_linear(x, weight, bias, gelu, accumulate_into)
+    if accumulate_into is not None:
+        epilogue, beta = EPILOGUE_DEFAULT, 1.0
+    else:
+        epilogue, beta = ((EPILOGUE_GELU if gelu else EPILOGUE_DEFAULT) if bias is None else
+                          (EPILOGUE_GELU_BIAS if gelu else EPILOGUE_BIAS)), 0.0
+    key = (x.shape[0], weight.shape[0], weight.shape[1], x.dtype, epilogue, beta)
+    plan = tuner.plans.get(key, ...)
+    if plan is ...:   # first call of this shape: tune (or look up) on these operands
+        scratch = {}
+
+        def fresh_start() -> Optional[torch.Tensor]:
+            return None if accumulate_into is None else accumulate_into.clone()
+
+        def candidate_timed(p: LinearPlan, i: int) -> torch.Tensor:
+            if accumulate_into is None:
+                return p.run(x, weight, bias, index=i)
+            if "out" not in scratch:   # candidates add into one copy, so that the real sum gets one product
+                scratch["out"] = accumulate_into.clone()
+            return p.run(x, weight, out=scratch["out"], index=i)
+
+        plan = tuner.plan(Product(
+            key, lambda: _torch_linear(x, weight, bias, gelu, fresh_start()),
+            lambda p, i: p.run(x, weight, bias, out=fresh_start(), index=i), candidate_timed))
+    if plan is None:
+        return _torch_linear(x, weight, bias, gelu, accumulate_into)
+    try:
+        return plan.run(x, weight, bias, out=accumulate_into)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as error:
+        tuner.fail(error)
+        return _torch_linear(x, weight, bias, gelu, accumulate_into)
 
 
 def _tuned_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:

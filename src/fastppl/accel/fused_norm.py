@@ -110,7 +110,8 @@ def _fused_forward(
     x, h = add_layer_norm(self.wte(input_ids), self.wpe(position_ids), blocks[0].ln_1)
     x, h = x.view(B * T, C), h.view(B * T, C)
     for i, block in enumerate(blocks):
-        linear(block.attn.attend(h.view(B, T, C), document_ids).view(B * T, C), block.attn.proj.weight, accumulate_into=x)
+        heads = block.attn.attend(h.view(B, T, C), document_ids).view(B * T, C)
+        linear(heads, block.attn.proj.weight, accumulate_into=x)
         _, h = add_layer_norm(x, bias_sums[2 * i], block.ln_2, store_sum=False)
         linear(block.mlp.activation(h), block.mlp.proj.weight, accumulate_into=x)
         next_norm = blocks[i + 1].ln_1 if i + 1 < len(blocks) else self.ln_f
