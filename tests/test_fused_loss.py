@@ -84,3 +84,24 @@ def test_compiled_op_with_a_bias_equals_the_eager_kernel():
     b, t = torch.randn(100, generator=g).to(DEVICE), torch.randint(0, 100, (40,), generator=g).to(DEVICE)
     compiled = torch.compile(fused_loss.fused_token_nll_op, fullgraph=True)
     assert torch.equal(compiled(h, w, t, b), fused_loss.fused_token_nll(h, w, t, b))
+
+
+@pytest.mark.parametrize("tma", [True, False])
+def test_vocabulary_segments_agree_and_a_row_does_not_depend_on_its_batch(tma):
+    """The vocabulary split over several programs per row block (and combined after) against one program per row
+    block, within the kernel's fp32 tolerance; and each row's NLL bit for bit the same when the batch holds other
+    rows (the segment count is fixed by the vocabulary, not the row count)."""
+    g = torch.Generator().manual_seed(5)
+    n, c, v = 97, 64, 700   # 10 whole tiles of 64 and a partial one: the last segment takes the partial tile
+    h = torch.randn(n, c, generator=g).to(torch.float16).to(DEVICE)
+    w = (0.3 * torch.randn(v, c, generator=g)).to(torch.float16).to(DEVICE)
+    t = torch.randint(0, v, (n,), generator=g).to(DEVICE)
+    tiles = dict(block_m=32, block_n=64, block_k=32, tma=tma)
+    assert fused_loss.vocabulary_segments(v, 64) == fused_loss.VOCABULARY_SEGMENTS > 1
+    split = fused_loss.fused_token_nll(h, w, t, **tiles)
+    whole = fused_loss.fused_token_nll(h, w, t, segments=1, **tiles)
+    assert (split.double() - _reference(h, w, t, None)).abs().max().item() <= MAX_ABS_ERROR
+    assert (split - whole).abs().max().item() <= MAX_ABS_ERROR
+    rows = torch.tensor([3, 40, 41, 96]).to(DEVICE)
+    assert torch.equal(fused_loss.fused_token_nll(h[rows], w, t[rows], **tiles), split[rows])
+    assert fused_loss.vocabulary_segments(50, 64) == 1 and fused_loss.vocabulary_segments(50257, 256) == 9

@@ -76,13 +76,17 @@ if triton is not None:
 
     @triton.jit
     def _fused_nll_kernel(
-        hidden_src, weight_src, bias_ptr, target_ptr, out_ptr,
+        hidden_src, weight_src, bias_ptr, target_ptr, out_ptr, partial_ptr,
         N, V, C, full_tiles_end,       # full_tiles_end = V rounded down to whole BLOCK_N tiles
         stride_hn, stride_wv,
         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        INPUT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, SEGMENTS: tl.constexpr,
     ):
+        """Program (row block, segment) folds the segment's whole vocabulary tiles (the last segment also the
+        partial tile) into its rows' running statistics; with one segment it writes the NLL, else the statistics
+        to partial_ptr (3, SEGMENTS, N) for _combine_segments_kernel."""
         pid = tl.program_id(0)
+        segment = tl.program_id(1)
         row_start = pid * BLOCK_M
         rows = row_start + tl.arange(0, BLOCK_M)
         row_ok = rows < N
@@ -94,8 +98,11 @@ if triton is not None:
         # one loop, so the next tile's first loads are in flight during a tile's logsumexp instead of the
         # pipeline draining and refilling at every tile.
         k_steps = tl.cdiv(C, BLOCK_K)
+        full_tiles = full_tiles_end // BLOCK_N
+        first_tile = segment * full_tiles // SEGMENTS
+        end_tile = (segment + 1) * full_tiles // SEGMENTS
         logits = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for step in range(0, full_tiles_end // BLOCK_N * k_steps):
+        for step in range(first_tile * k_steps, end_tile * k_steps):
             k_index = step % k_steps
             v_start = step // k_steps * BLOCK_N
             cols = v_start + tl.arange(0, BLOCK_N)
@@ -107,7 +114,7 @@ if triton is not None:
                     logits, bias_ptr, cols, cols < V, targets, running_max, running_sum, target_logit, HAS_BIAS,
                     False)
                 logits = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        if full_tiles_end < V:   # the last, partial tile, with masks
+        if full_tiles_end < V and segment == SEGMENTS - 1:   # the last, partial tile, with masks
             cols = full_tiles_end + tl.arange(0, BLOCK_N)
             for k_start in range(0, C, BLOCK_K):
                 logits = _k_step(hidden_src, weight_src, rows, row_ok, cols, cols < V, row_start, full_tiles_end,
@@ -115,8 +122,42 @@ if triton is not None:
                                  TMA)
             running_max, running_sum, target_logit = _fold_logits(
                 logits, bias_ptr, cols, cols < V, targets, running_max, running_sum, target_logit, HAS_BIAS, True)
-        nll = (running_max + tl.log2(running_sum)) * LN2 - target_logit
-        tl.store(out_ptr + rows, nll, mask=row_ok)
+        if SEGMENTS == 1:
+            nll = (running_max + tl.log2(running_sum)) * LN2 - target_logit
+            tl.store(out_ptr + rows, nll, mask=row_ok)
+        else:
+            partial = partial_ptr + segment * N + rows
+            tl.store(partial, running_max, mask=row_ok)
+            tl.store(partial + SEGMENTS * N, running_sum, mask=row_ok)
+            tl.store(partial + 2 * SEGMENTS * N, target_logit, mask=row_ok)
+
+    @triton.jit
+    def _combine_segments_kernel(partial_ptr, out_ptr, N, SEGMENTS: tl.constexpr, BLOCK_S: tl.constexpr,
+                                 BLOCK: tl.constexpr):
+        """Each row's NLL from its segments' statistics, the segments in order (a row's result does not depend
+        on the other rows of its batch)."""
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        segments = tl.arange(0, BLOCK_S)
+        ok = (segments[:, None] < SEGMENTS) & (rows[None, :] < N)
+        offsets = segments[:, None] * N + rows[None, :]
+        maxima = tl.load(partial_ptr + offsets, mask=ok, other=float("-inf"))          # (S, BLOCK), base 2
+        sums = tl.load(partial_ptr + SEGMENTS * N + offsets, mask=ok, other=0.0)
+        target_logit = tl.sum(tl.load(partial_ptr + 2 * SEGMENTS * N + offsets, mask=ok, other=0.0), axis=0)
+        row_max = tl.max(maxima, axis=0)
+        total = tl.sum(tl.where(ok, sums * tl.exp2(maxima - row_max[None, :]), 0.0), axis=0)
+        tl.store(out_ptr + rows, (row_max + tl.log2(total)) * LN2 - target_logit, mask=rows < N)
+
+
+VOCABULARY_SEGMENTS = 9
+
+
+def vocabulary_segments(V: int, block_n: int) -> int:
+    """Programs per row block, each over a ninth of the vocabulary's whole tiles. With one program per row block
+    (128 rows) the grid ran in few waves, and the last wave left SMs idle: 512 row blocks for GPT-2's 64 x 1024
+    rows fill 3.88 waves of 132 SMs, 3 % of the loss idle, and other row counts up to 25 %. Nine segments make
+    the waves nine times finer (GPT-2's 64 x 1024 rows: 34.9 waves). Fixed, not chosen from the row count, so
+    that a row's NLL is computed the same way whichever rows share its batch."""
+    return max(1, min(VOCABULARY_SEGMENTS, V // block_n))
 
 
 @functools.cache
@@ -142,12 +183,13 @@ def fused_token_nll(
     targets: torch.Tensor,           # (N,) int64
     bias: Optional[torch.Tensor] = None,
     block_m: int = 128, block_n: Optional[int] = None, block_k: Optional[int] = None, num_warps: int = 8,
-    num_stages: int = 3, tma: Optional[bool] = None,
+    num_stages: int = 3, tma: Optional[bool] = None, segments: Optional[int] = None,
 ) -> torch.Tensor:
     """(N,) fp32 NLL of each target, as engine.loss.chunked_token_nll, in one kernel. Tiles of
     128 x 256 x 64 for 16-bit inputs (measured best, docs/BENCHMARKS.md); fp32 inputs take half-size
     tiles to fit shared memory, and exact fp32 products (no tf32). tma: load through tensor descriptors
-    (default: 16-bit inputs where the GPU and the alignment allow; False forces pointer loads)."""
+    (default: 16-bit inputs where the GPU and the alignment allow; False forces pointer loads). segments: how many
+    programs share a row block's vocabulary (default vocabulary_segments)."""
     assert triton is not None and (hidden.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")  # interpreter: CPU check
     wide = hidden.element_size() == 4
     block_n = block_n or (128 if wide else 256)
@@ -166,14 +208,20 @@ def fused_token_nll(
     else:
         hidden_src, weight_src = hidden, weight
     out = torch.empty(N, dtype=torch.float32, device=hidden.device)
-    grid = (triton.cdiv(N, block_m),)
+    segments = vocabulary_segments(V, block_n) if segments is None else segments
+    partial = torch.empty((3, segments, N) if segments > 1 else (1,), dtype=torch.float32, device=hidden.device)
+    # row blocks vary fastest: the programs running at once share a segment, so W is read once per wave
+    grid = (triton.cdiv(N, block_m), segments)
     _fused_nll_kernel[grid](
-        hidden_src, weight_src, bias if bias is not None else hidden, targets.contiguous(), out,
+        hidden_src, weight_src, bias if bias is not None else hidden, targets.contiguous(), out, partial,
         N, V, C, V // block_n * block_n, hidden.stride(0), weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        INPUT_PRECISION="ieee" if wide else "tf32", EVEN_K=C % block_k == 0, TMA=tma,
+        INPUT_PRECISION="ieee" if wide else "tf32", EVEN_K=C % block_k == 0, TMA=tma, SEGMENTS=segments,
         num_warps=num_warps, num_stages=num_stages,
     )
+    if segments > 1:
+        _combine_segments_kernel[(triton.cdiv(N, 256),)](partial, out, N, SEGMENTS=segments,
+                                                         BLOCK_S=triton.next_power_of_2(segments), BLOCK=256)
     return out
 
 
