@@ -1,7 +1,8 @@
 """Fused output projection + cross-entropy for CUDA (Triton): per-token fp32 NLL without ever
-writing a logit to memory. Each program owns BLOCK_M rows of hidden states and walks the vocabulary
-in BLOCK_N tiles: a tile of logits is a (BLOCK_M, BLOCK_N) fp32 matmul result held on chip, folded
-into a running max / sum-of-exponentials (online logsumexp, in base 2) and a running target logit.
+writing a logit to memory. Each program owns BLOCK_M rows of hidden states and walks a segment of the
+vocabulary (a ninth, vocabulary_segments) in BLOCK_N tiles: a tile of logits is a (BLOCK_M, BLOCK_N) fp32 matmul
+result held on chip, folded into a running max / sum-of-exponentials (online logsumexp, in base 2) and a running
+target logit; a second kernel combines each row's segments.
 
     nll[r] = logsumexp_v(h[r] . W[v] + b[v]) - (h[r] . W[target[r]] + b[target[r]])
 
