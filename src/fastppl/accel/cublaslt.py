@@ -199,13 +199,15 @@ class LinearPlan:
         return out
 
     def one_pass_candidates(self) -> list[int]:
-        """Candidates that sum each dot product in one pass (no split-K): their results equal torch's pick's."""
+        """Candidates that sum each dot product in one pass (no split-K), the only ones the tuner considers; it
+        still compares each one's result with torch's before timing it."""
         return [i for i in range(len(self.candidates))
                 if self.describe(i).get("split_k", 1) <= 1 and self.describe(i).get("reduction", 0) == 0]
 
 
-# auto times candidates from this many scored tokens, else takes stored picks only. Measured on an H100 at GPT-2's
-# shapes: timing costs ~0.3 s once and saves ~1.5-2 % of the scoring time, ~17 ms per 2 M tokens
+# auto times a shape's candidates when this process runs this many positions at it, else takes stored picks only.
+# Measured on an H100 at GPT-2's shapes: timing costs ~0.3 s once and saves ~1.4-2 % of the scoring time, ~17 ms
+# per 2 M tokens
 TUNE_MIN_TOKENS = 33_554_432
 MIN_TUNED_ROWS = 4096      # below this a product is latency-bound and the candidates differ by noise
 MAX_TUNED_PRODUCTS = 16    # bounds the timing when batches come in many shapes (GPT-2: four products a shape)
