@@ -201,8 +201,9 @@ class LinearPlan:
     def one_pass_candidates(self) -> list[int]:
         """Candidates that sum each dot product in one pass (no split-K), the only ones the tuner considers; it
         still compares each one's result with torch's before timing it."""
-        return [i for i in range(len(self.candidates))
-                if self.describe(i).get("split_k", 1) <= 1 and self.describe(i).get("reduction", 0) == 0]
+        configs = [self.describe(i) for i in range(len(self.candidates))]
+        return [i for i, config in enumerate(configs)
+                if config.get("split_k", 1) <= 1 and config.get("reduction", 0) == 0]
 
 
 # auto times a shape's candidates when this process runs this many positions at it, else takes stored picks only.
