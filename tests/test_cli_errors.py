@@ -122,9 +122,10 @@ def test_subprocess_help_and_usage():
 
 
 # ----------------------------------------------------------------------------------- the data
-def test_empty_file(tmp_path, outputs, tokenizer_dir, capsys):
+@pytest.mark.parametrize("content", ["", " \n\t\n", "\u3000\u00a0\n"], ids=["empty", "ascii-spaces", "unicode-spaces"])
+def test_empty_file(tmp_path, outputs, tokenizer_dir, capsys, content):
     empty = tmp_path / "empty.txt"
-    empty.write_bytes(b"")
+    empty.write_text(content, encoding="utf-8")
     _assert_user_error(*_main(capsys, _args(TINY, empty, outputs, tokenizer_dir)), outputs, "is empty")
 
 
@@ -215,6 +216,15 @@ def test_model_directory_without_a_tokenizer(checkpoint, text, outputs, capsys):
 ])
 def test_unknown_model(model, fragment, text, outputs, tokenizer_dir, capsys):
     _assert_user_error(*_main(capsys, _args(model, text, outputs, tokenizer_dir)), outputs, fragment)
+
+
+@pytest.mark.parametrize("command", ["eval", "generate"])
+def test_unknown_random_preset_without_tokenizer(command, text, outputs, capsys):
+    # the tokenizer is found from the model's name: without this check it reported a hub failure for 'gpt2'
+    args = (["eval", "--data", str(text), "--json", str(outputs[0]), "--quiet"] if command == "eval"
+            else ["generate", "--prompt", "Hello"])
+    args += ["--model", "random:nope", "--device", "cpu"]
+    _assert_user_error(*_main(capsys, args), outputs, "unknown model random:nope; use one of random:gpt2")
 
 
 def test_model_path_is_a_file(text, outputs, tokenizer_dir, capsys):
@@ -520,7 +530,7 @@ def test_generate_nan_temperature_and_bench_zero_tokens(tokenizer_dir, capsys):
 
 
 @pytest.mark.parametrize("extra, fragment", [
-    (["--top-k", "5"], "--top-k apply to sampling"),                  # ran greedily, ignoring them
+    (["--top-k", "5"], "--top-k applies to sampling"),                  # ran greedily, ignoring them
     (["--top-p", "0.5", "--seed", "3"], "--top-p, --seed apply to sampling"),
     (["--prompt", "caf\udce9"], "a --prompt is not valid UTF-8 text"),   # argv byte 0xe9: was a TypeError
     (["--prompts", ""], "--prompts: empty path"),                       # was ignored beside --prompt

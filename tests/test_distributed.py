@@ -154,19 +154,29 @@ def _cases(tmp_path, tokenizer_dir):
 
 
 def _outputs(directory: Path, name: str) -> list[str]:
-    return ["--json", str(directory / f"{name}.json"), "--per-token", str(directory / f"{name}.npy")]
+    return ["--json", str(directory / f"{name}.json"), "--per-token", str(directory / f"{name}.npy"),
+            "--per-doc", str(directory / f"{name}.jsonl")]
 
 
 def _assert_same(one: Path, two: Path, name: str):
     a = json.loads((one / f"{name}.json").read_text())
     b = json.loads((two / f"{name}.json").read_text())
     assert b["world_size"] == 2 and "world_size" not in a
-    for key in ("tokens_scored", "tokens_total", "bytes", "documents", "windows", "ctx", "stride"):
+    for key in ("tokens_scored", "tokens_total", "bytes", "words", "documents", "windows", "ctx", "stride",
+                "tokens_by_position"):
         assert a[key] == b[key], key
-    assert b["nll_sum"] == pytest.approx(a["nll_sum"], rel=1e-12, abs=0)
-    assert b["nll"] == pytest.approx(a["nll"], rel=1e-12, abs=0)
-    for x, y in zip(a["nll_by_position"], b["nll_by_position"], strict=True):
-        assert (x is None and y is None) or y == pytest.approx(x, rel=1e-12, abs=0)
+    for key in ("nll_sum", "nll", "bits_per_byte", "word_perplexity"):
+        assert b[key] == pytest.approx(a[key], rel=1e-12, abs=0), key
+    for key in ("nll_by_position", "nll_by_position_std"):   # the std needs every rank's squared sums
+        for x, y in zip(a[key], b[key], strict=True):
+            assert (x is None and y is None) or y == pytest.approx(x, rel=1e-12, abs=0), key
+    # every document's sums reach rank 0's file, not only rank 0's share of them
+    per_doc_one, per_doc_two = [[json.loads(line) for line in (d / f"{name}.jsonl").read_text().splitlines()]
+                                for d in (one, two)]
+    assert len(per_doc_one) == len(per_doc_two) == a["documents"] - a["documents_skipped"]
+    for x, y in zip(per_doc_one, per_doc_two, strict=True):
+        assert x.keys() == y.keys() and x["id"] == y["id"] and x["tokens"] == y["tokens"], (x, y)
+        assert y["nll_sum"] == pytest.approx(x["nll_sum"], rel=1e-12, abs=0), (x, y)
     per_token_one, per_token_two = np.load(one / f"{name}.npy"), np.load(two / f"{name}.npy")
     assert per_token_one.dtype == per_token_two.dtype and per_token_one.shape == per_token_two.shape
     assert np.array_equal(per_token_one, per_token_two, equal_nan=True)   # identical, not merely close

@@ -115,6 +115,23 @@ def test_sample_respects_top_k_and_top_p():
         assert set(draws[row].tolist()) <= set(order[row, :n_keep[row]].tolist())
 
 
+@pytest.mark.parametrize("settings, expected", [
+    (dict(temperature=1.0), [0.5, 0.3, 0.2]),
+    (dict(temperature=0.5), [0.25 / 0.38, 0.09 / 0.38, 0.04 / 0.38]),   # p^(1/T), normalised
+    (dict(temperature=1.0, top_k=2), [0.625, 0.375, 0.0]),
+    (dict(temperature=1.0, top_p=0.6), [0.625, 0.375, 0.0]),            # 0.5 < 0.6: the second id stays too
+])
+def test_sample_draws_from_the_stated_distribution(settings, expected):
+    """Frequencies over 20,000 rows, not only which ids can appear: a race that drew from another distribution
+    with the same support (p * E instead of p / E, a temperature applied twice) fails this."""
+    torch.manual_seed(0)
+    n = 20_000
+    logits = torch.tensor([0.5, 0.3, 0.2]).log().expand(n, 3).contiguous()
+    frequencies = torch.bincount(sample(logits, **settings), minlength=3).double() / n
+    # binomial standard deviation at n = 20,000 is at most 0.0036: 0.015 is over 4 of them
+    assert frequencies.tolist() == pytest.approx(expected, abs=0.015)
+
+
 def test_zero_probability_is_never_drawn():
     logits = torch.full((2, 50), -float("inf"))
     logits[:, 7] = 0.0
@@ -210,6 +227,7 @@ def test_decode_options_parse_and_bucket_lengths():
             DecodeOptions.parse(bad)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
 @pytest.mark.parametrize("new_tokens", [1, 2, 3, 24, 40])
@@ -232,6 +250,7 @@ def test_compiled_decode_in_cuda_graphs_gives_the_eager_tokens(preset, new_token
     assert all(0 <= t < model.vocab_size for row in first for t in row)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_compiled_decode_with_aligned_logits_gives_the_eager_tokens():
     """fp32, CUDA graphs: the vocabulary product over lm_head padded to 64-aligned ids (the default; its tensors

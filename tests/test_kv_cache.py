@@ -75,7 +75,8 @@ def test_cache_is_sized_by_the_model_and_not_in_the_state_dict():
     assert model.blocks[0].attn.kv_cache is None
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu,
+                                               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")])]
 
 
 @pytest.mark.parametrize("device", DEVICES)   # on CUDA, SDPA's fp32 output is strided differently

@@ -125,7 +125,8 @@ def test_finished_checkpoint_reruns_without_scoring_and_other_arguments_are_refu
 
 def test_a_checkpoint_of_other_text_seed_or_model_files_is_refused(
         tokenizer_dir, corpus_dir, tiny_trained_checkpoint, tmp_path, capsys):
-    """Not only the arguments: the corpus's text (same file names and lengths, one character changed), the
+    """Not only the arguments: the corpus's text (same file names and lengths, one character changed), a document's
+    name (same texts), the
     random weights' seed, and the files of a local checkpoint directory (retrained at the same path) each
     make the checkpoint another run's."""
     corpus = tmp_path / "corpus"
@@ -144,10 +145,14 @@ def test_a_checkpoint_of_other_text_seed_or_model_files_is_refused(
     first = corpus / "00.txt"
     text = first.read_text()
     first.write_text(("#" if text[0] != "#" else "%") + text[1:])      # same length, same windows
-    refused(args, "data")
+    refused(args, "corpus_sha256")
     first.write_text(text)
     assert main(args) == 0                                              # the same text again: resumed
     capsys.readouterr()
+    renamed = corpus / "00a.txt"                                        # the same texts in the same order,
+    first.rename(renamed)                                               # but per-document results name it
+    refused(args, "document_ids_sha256")
+    renamed.rename(first)
     refused(args + ["--seed", "1"], "seed")
 
     model = tmp_path / "model"
@@ -161,3 +166,24 @@ def test_a_checkpoint_of_other_text_seed_or_model_files_is_refused(
     stat = weights.stat()
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # retrained: other mtime
     refused(with_model, "model")
+
+
+def test_checkpoints_by_time_alone_and_a_checkpoint_of_another_plan_is_refused(tokenizer_dir, corpus_dir, tmp_path):
+    """--checkpoint-seconds 0 with no --checkpoint-batches saves after every batch (the clock, not a count, is
+    what fires); a checkpoint whose finished windows do not match this run's plan is refused, not trusted."""
+    checkpoint_dir = tmp_path / "ckpt"
+    args = eval_args(tokenizer_dir, corpus_dir, tmp_path, "--resume", str(checkpoint_dir), "--checkpoint-seconds", "0")
+    killed = run_cli(args, kill_after=5)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    meta, finished = checkpoint_meta(checkpoint_dir)
+    assert meta["batches_done"] == 5 and 0 < finished.sum() < finished.size
+
+    path = checkpoint_dir / CHECKPOINT_FILE
+    with np.load(path) as stored:
+        arrays = {name: stored[name] for name in stored.files}
+    arrays["finished_windows"] = ~arrays["finished_windows"]   # the same fingerprint, other windows done
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+    refused = run_cli(args)
+    assert refused.returncode == 2 and "do not match this run's plan" in refused.stderr, refused.stderr
+    assert refused.stderr.count("\n") == 1 and not (tmp_path / "r.json").exists()

@@ -103,8 +103,11 @@ def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _check_model_given(model: str) -> None:
-    if not model.strip():   # else the tokenizer, loaded first from the model's name, would report it obscurely
+    # else the tokenizer, loaded first from the model's name, would report these obscurely
+    if not model.strip():
         raise FastpplError("--model is empty; give a checkpoint directory, a hub id or random:<preset>")
+    from .models.loading import check_random_preset
+    check_random_preset(model)
 
 
 def _config_from_args(args: argparse.Namespace):
@@ -319,7 +322,8 @@ def run_generate(args: argparse.Namespace) -> int:
     sampling_only = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed))
                      if value is not None]
     if sampling_only and args.temperature == 0:
-        raise FastpplError(f"{', '.join(sampling_only)} apply to sampling, and --temperature 0 decodes greedily; "
+        verb = "apply" if len(sampling_only) > 1 else "applies"
+        raise FastpplError(f"{', '.join(sampling_only)} {verb} to sampling, and --temperature 0 decodes greedily; "
                            "set --temperature > 0 or drop them")
     for prompt in args.prompt:
         try:

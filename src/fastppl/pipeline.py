@@ -41,7 +41,7 @@ from .models.attention import document_attention_backend, varlen_available, varl
 from .models.gpt2 import GPT2
 from .models.llama import Llama
 from .progress import Progress
-from .resume import KILL_AFTER_BATCHES_ENV, Checkpointer, data_sha256, model_files, run_fingerprint
+from .resume import KILL_AFTER_BATCHES_ENV, Checkpointer, document_ids_sha256, model_files, run_fingerprint
 
 
 @dataclass
@@ -164,6 +164,7 @@ def evaluate(config: EvalConfig) -> dict:
     documents = [d if d.token_ids is None else with_decoded_text(d, tokenizer, model.vocab_size) for d in documents]
     tokens = [encode_cached(tokenizer, d.text) if d.token_ids is None else d.token_ids for d in documents]
     timings["tokenize"] = time.perf_counter() - mark
+    corpus_digest = corpus_sha256(documents)   # the report's, and the resume fingerprint's
     n_tokens = sum(len(t) for t in tokens)
     use_bos = config.window == "chunked" or config.bos
     if n_tokens < 2:   # a corpus, not a document: one document of a set may well be a single token
@@ -259,7 +260,8 @@ def evaluate(config: EvalConfig) -> dict:
     checkpointer, start_batch = None, 0
     if config.resume:
         fingerprint = run_fingerprint(
-            config.to_dict(), data_sha256=data_sha256(documents), tokenizer_fingerprint=tokenizer.fingerprint,
+            config.to_dict(), corpus_sha256=corpus_digest, document_ids_sha256=document_ids_sha256(documents),
+            tokenizer_fingerprint=tokenizer.fingerprint,
             model_files=model_files(config.model), resolved_device=str(device), resolved_dtype=str(dtype),
             resolved_batching=batching, resolved_batch_size=batch_size, windows=len(refs), fastppl=__version__,
         )
@@ -358,7 +360,7 @@ def evaluate(config: EvalConfig) -> dict:
         "bits_per_byte": nll_sum / math.log(2) / n_bytes if n_bytes else float("nan"),
         **per_unit_metrics(nll_sum, n_bytes, n_words),
         "documents": len(documents),
-        "corpus_sha256": corpus_sha256(documents),
+        "corpus_sha256": corpus_digest,
         "documents_skipped": len(documents) - len(scored_documents),
         "windows": len(refs),
         # the cached sliding path scores document rows of its own, not the planned batches

@@ -36,13 +36,14 @@ SUM_FIELDS = tuple(f.name for f in dataclasses.fields(DeviceSums))   # all of th
 KILL_AFTER_BATCHES_ENV = "FASTPPL_TEST_SIGKILL_AFTER_BATCHES"   # tests: SIGKILL itself after this many batches
 
 
-def data_sha256(documents) -> str:
+def document_ids_sha256(documents) -> str:
+    """sha256 of the documents' ids in order: per-document results are keyed by them, so a checkpoint of the same
+    texts under other names (their contents are the corpus digest) is not resumed."""
     h = hashlib.sha256()
     for document in documents:
-        for part in (document.id, document.text):
-            raw = part.encode("utf-8", errors="surrogatepass")
-            h.update(len(raw).to_bytes(8, "little"))
-            h.update(raw)
+        raw = document.id.encode("utf-8", errors="surrogatepass")
+        h.update(len(raw).to_bytes(8, "little"))
+        h.update(raw)
     return h.hexdigest()
 
 

@@ -203,10 +203,9 @@ def load_documents(
         raise FastpplError(
             f"{source!r}: not a file and not a built-in corpus ({', '.join(BUILTINS)}); check --data"
         )
-    raw = read_bytes(path)
-    if not raw.strip():
+    text = decode_utf8(read_bytes(path), str(path), errors)
+    if not text.strip():   # str.strip, so Unicode spaces (U+3000, no-break space) count as whitespace too
         raise FastpplError(f"{path}: is empty (or whitespace only); pass a file with text in it")
-    text = decode_utf8(raw, str(path), errors)
     if path.suffix == ".jsonl":
         if split != "all":
             raise FastpplError("--split train/val applies to a single text; use --split all with .jsonl")

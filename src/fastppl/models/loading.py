@@ -33,16 +33,21 @@ def random_gpt2(preset: str, seed: int = 0, device: torch.device | str = "cpu") 
     return model
 
 
+def check_random_preset(spec: str) -> None:
+    """An unknown random:<preset> is reported as such before the tokenizer (named after the model) is looked for."""
+    if spec.startswith(RANDOM_PREFIX) and spec[len(RANDOM_PREFIX):] not in (*PRESETS, *LLAMA_PRESETS):
+        raise FastpplError(f"unknown model {spec}; use one of "
+                           f"{', '.join(RANDOM_PREFIX + p for p in (*PRESETS, *LLAMA_PRESETS))}")
+
+
 def random_native(preset: str, seed: int = 0, device: torch.device | str = "cpu") -> nn.Module:
     """random:<preset> of any native architecture, with seeded weights drawn on `device`."""
+    check_random_preset(RANDOM_PREFIX + preset)
     if preset in LLAMA_PRESETS:
         with torch.device(device):
             model = Llama(LLAMA_PRESETS[preset])
         model.init_weights(torch.Generator(device=device).manual_seed(seed))
         return model
-    if preset not in PRESETS:
-        raise FastpplError(f"unknown model random:{preset}; use one of "
-                           f"{', '.join(RANDOM_PREFIX + p for p in (*PRESETS, *LLAMA_PRESETS))}")
     return random_gpt2(preset, seed, device)
 
 
