@@ -274,10 +274,11 @@ def test_the_fused_scorer_runs_the_loss_on_the_scored_positions_only(monkeypatch
     rows_in.clear()
     every_position, _ = run(lambda *args: fused(*args))          # a wrapper that does not say it gathers
     assert rows_in == [5 * ctx] * len(n_scored)
-    assert gathered.nll_sum.item() == pytest.approx(every_position.nll_sum.item(), rel=1e-6)
+    # a row's NLL does not depend on which rows share its launch: the same bits, not merely close ones
     scored = ~torch.isnan(every_position.per_token)
     assert torch.equal(scored, ~torch.isnan(gathered.per_token))
-    torch.testing.assert_close(gathered.per_token[scored], every_position.per_token[scored], rtol=1e-6, atol=1e-6)
+    assert torch.equal(gathered.per_token[scored], every_position.per_token[scored])
+    assert gathered.nll_sum.item() == every_position.nll_sum.item()
 
 
 def _never_probe(rows):

@@ -14,11 +14,12 @@ from fastppl.cli import main
 from fastppl.config import EvalConfig
 from fastppl.data.batching import WindowRef, iter_batches
 from fastppl.data.windows import sliding_windows
-from fastppl.engine.cached_sliding import choose_kv_cache, plan_chunks, score_cached_sliding
+from fastppl.engine.cached_sliding import choose_kv_cache, score_cached_sliding
 from fastppl.engine.score import DeviceSums, make_score_fn, score_batches
 from fastppl.errors import FastpplError
 from fastppl.models.llama import Llama, LlamaConfig
 from fastppl.models.loading import native_to_hf, random_native
+from window_references import hf_guide_pairs
 
 CPU = torch.device("cpu")
 FP32_MAX_RELATIVE_ERROR = 1e-5
@@ -87,20 +88,21 @@ def test_deep_cached_windows_equal_the_segment_recurrence():
     streams, offsets, n_tokens = _corpus()
     got = _cached(model, streams, offsets, n_tokens, ctx, stride).per_token[:-1]
     expected = torch.full((n_tokens,), float("nan"))
-    chunks = plan_chunks(_refs(streams, ctx, stride), chunk_len=stride)
     with torch.no_grad():
         for doc, stream in enumerate(streams):
-            if doc not in chunks:
+            # which context each target has comes from the literal Hugging Face guide loop, not from the
+            # code under test: target j is predicted from stream[start:j], at input position j - 1
+            pairs = hf_guide_pairs(len(stream), ctx, stride)
+            if not pairs:
                 continue
             n = len(stream) - 1
             mask = torch.zeros(n, n, dtype=torch.bool)
-            for c in chunks[doc]:
-                for i in range(c.begin, c.end):
-                    mask[i, c.window_start:i + 1] = True
+            for start, j in pairs:
+                mask[j - 1, start:j] = True
             ids = torch.from_numpy(stream)
             logits = hf(ids[None, :-1], attention_mask=mask[None, None]).logits[0]
             nll = F.cross_entropy(logits, ids[1:], reduction="none")
-            scored = [i for c in chunks[doc] for i in range(c.begin, c.end)]
+            scored = [j - 1 for _, j in pairs]
             expected[[offsets[doc] + i for i in scored]] = nll[scored]
     assert _max_relative(got, expected) <= FP32_MAX_RELATIVE_ERROR
     # ... which is not the uncached sliding window once there is a second layer (see the README)
@@ -132,7 +134,7 @@ def test_kv_cache_choice():
         EvalConfig(model="random:llama-tiny", data=["x"], kv_cache="on")
 
 
-def test_cli_kv_cache_on_one_layer_model_reports_it(tmp_path, tokenizer_dir):
+def test_cli_kv_cache_on_one_layer_model_reports_it(tmp_path, tokenizer_dir, capsys):
     import transformers
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=50304, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
@@ -161,10 +163,12 @@ def test_cli_kv_cache_on_one_layer_model_reports_it(tmp_path, tokenizer_dir):
     for a, b in zip(on["nll_by_position_std"], off["nll_by_position_std"]):
         assert (a is None and b is None) or a == pytest.approx(b, rel=1e-4, abs=1e-6)
     assert on["batches"] is None and on["batching"] == "kv-cache rows"
+    capsys.readouterr()   # what saving the model printed
     rc = main(["eval", "--model", str(tmp_path / "model"), "--tokenizer", str(tokenizer_dir), "--data", str(data),
                "--window", "sliding", "--ctx", "16", "--stride", "4", "--kv-cache", "on", "--device", "cpu",
                "--quiet", "--resume", str(tmp_path / "resume")])
-    assert rc == 2   # the cached path has no planned batches to checkpoint
+    error = capsys.readouterr().err   # the cached path has no planned batches to checkpoint
+    assert rc == 2 and error == "fastppl: error: --resume does not work with --kv-cache on; drop one of them\n", error
     assert on["kv_cache"].startswith("on") and off["kv_cache"].startswith("off")
     assert on["tokens_scored"] == off["tokens_scored"] == on["tokens_forwarded"] < off["tokens_forwarded"]
     assert on["tokens_forwarded_without_cache"] == off["tokens_forwarded"]

@@ -227,6 +227,20 @@ def test_unknown_random_preset_without_tokenizer(command, text, outputs, capsys)
     _assert_user_error(*_main(capsys, args), outputs, "unknown model random:nope; use one of random:gpt2")
 
 
+def test_a_model_with_a_nan_weight_is_an_error_with_no_output(monkeypatch, text, outputs, tokenizer_dir, capsys):
+    import fastppl.pipeline as pipeline
+    real_load_model = pipeline.load_model
+
+    def corrupt_model(*args, **kwargs):   # a checkpoint whose weights hold a NaN
+        model = real_load_model(*args, **kwargs)
+        with torch.no_grad():
+            model.blocks[0].mlp.fc.weight[0, 0] = float("nan")
+        return model
+    monkeypatch.setattr(pipeline, "load_model", corrupt_model)
+    _assert_user_error(*_main(capsys, _args(TINY, text, outputs, tokenizer_dir)), outputs,
+                       "the model produced a non-finite loss in fp32; check its weights for NaN or inf")
+
+
 def test_model_path_is_a_file(text, outputs, tokenizer_dir, capsys):
     _assert_user_error(*_main(capsys, _args(text, text, outputs, tokenizer_dir)), outputs, "is a file")
 

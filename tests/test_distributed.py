@@ -101,6 +101,22 @@ def test_rank_device_and_timeout():
         timeout_seconds({"FASTPPL_DIST_TIMEOUT": "0"})
 
 
+def test_rank_device_on_gpus(monkeypatch):
+    """Each rank takes cuda:LOCAL_RANK, and the ways that cannot work are refused (no GPU needed: one is faked)."""
+    import fastppl.distributed as distributed
+    import torch
+    monkeypatch.setattr(distributed, "resolve_device", torch.device)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    rank1 = LaunchEnv(rank=1, world_size=2, local_rank=1, local_rank_given=True, restart=0)
+    assert rank_device("cuda", rank1) == torch.device("cuda", 1)
+    with pytest.raises(FastpplError, match="names one GPU, but each of the 2 processes needs its own"):
+        rank_device("cuda:0", rank1)
+    with pytest.raises(FastpplError, match="LOCAL_RANK is not set"):
+        rank_device("cuda", LaunchEnv(rank=1, world_size=2, local_rank=0, local_rank_given=False, restart=0))
+    with pytest.raises(FastpplError, match="LOCAL_RANK 2 but only 2 GPU"):
+        rank_device("cuda", LaunchEnv(rank=2, world_size=3, local_rank=2, local_rank_given=True, restart=0))
+
+
 def test_nproc_is_removed_from_the_relaunched_command():
     argv = ["eval", "--model", "m", "--nproc", "2", "--data", "d", "--nproc=3", "--npr", "4", "--quiet"]
     assert without_nproc(argv) == ["eval", "--model", "m", "--data", "d", "--quiet"]
@@ -285,6 +301,7 @@ def test_a_failing_rank_stops_the_other_with_its_error(tmp_path, tokenizer_dir):
     assert not (tmp_path / "r.json").exists()
 
 
+@pytest.mark.slow
 def test_a_crashing_rank_makes_the_others_exit_as_a_crash_not_as_bad_input(tmp_path, tokenizer_dir):
     """Rank 0 reports rank 1's RuntimeError with rank 1's status (1), not 2, which means bad input."""
     rank0, rank1 = _launch_without_torchrun(_long_job(tmp_path, tokenizer_dir), FASTPPL_TEST_FAIL="1:raise")

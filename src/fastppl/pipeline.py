@@ -335,7 +335,8 @@ def evaluate(config: EvalConfig) -> dict:
     timings["scoring"] = scoring_seconds
     progress.close()
     if not math.isfinite(nll_sum):
-        raise FastpplError("the model produced a non-finite loss; try --dtype fp32")
+        raise FastpplError("the model produced a non-finite loss; try --dtype fp32" if dtype != torch.float32 else
+                           "the model produced a non-finite loss in fp32; check its weights for NaN or inf")
 
     bytes_by_document = scored_bytes_by_document(documents, tokens, streams, refs, tokenizer)
     words_by_document = np.array([lm_eval_word_count(d.text) for d in documents], dtype=np.int64)

@@ -162,7 +162,7 @@ def token_id_document(path: Path) -> Document:
         raise FastpplError(f"{path}: no such file; check the --data path")
     try:
         ids = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError):
         # numpy's own reason names allow_pickle for any file it does not recognise, which misleads here
         raise FastpplError(f"{path}: is not a NumPy .npy array of token ids; save the ids with numpy.save, or "
                            "pass the text as a .txt file") from None
