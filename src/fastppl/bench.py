@@ -238,8 +238,10 @@ def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_le
             record(BenchRow("naive", tok, s, nll, _peak(device), "fp32, batch 1, .item() per step"))
         if "autocast" in peers:
             _reset_peak(device)
-            s, nll, tok = _time_labels_peer(hf32, rows, min(16, n_rows), device, autocast=True, item_per_step=False)
-            record(BenchRow("autocast", tok, s, nll, _peak(device), "fp32 weights, bf16 autocast, batch 16"))
+            autocast_rows = min(16, n_rows)
+            s, nll, tok = _time_labels_peer(hf32, rows, autocast_rows, device, autocast=True, item_per_step=False)
+            record(BenchRow("autocast", tok, s, nll, _peak(device),
+                            f"fp32 weights, bf16 autocast, batch {autocast_rows}"))
         del hf32
     if any(p in peers for p in ("hf-bf16", "hf-compiled")):
         hf16 = _hf_peer(native, torch.bfloat16 if on_cuda else torch.float32, device)

@@ -99,7 +99,7 @@ def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", metavar="DIR", help="checkpoint into DIR, and resume from the checkpoint found there")
     p.add_argument("--checkpoint-seconds", type=float, help="with --resume: checkpoint at least this often (default 60)")
     p.add_argument("--checkpoint-batches", type=int, help="with --resume: also checkpoint every this many batches")
-    p.add_argument("--plot", help="draw the loss by window position here (.png, .svg or .pdf; needs fastppl[plot])")
+    p.add_argument("--plot", help="draw the loss by window position here (.png, .svg or .pdf; needs matplotlib)")
 
 
 def _check_model_given(model: str) -> None:

@@ -1,6 +1,6 @@
 """Figures drawn from fastppl's own results: loss by window position, and per-document NLL.
 
-matplotlib is an optional extra (`pip install fastppl[plot]`), imported only when a figure is drawn.
+matplotlib is an optional extra (`pip install -e ".[plot]"`, or matplotlib alone), imported only when a figure is drawn.
 Figures are built as bare `Figure` objects on an Agg canvas, never through pyplot, so that nothing
 depends on (or changes) the process' interactive backend, and sizes in pixels are exact:
 FIGURE_SIZE inches times DPI, with no tight bounding box to crop them.
@@ -18,7 +18,7 @@ DPI = 100
 FIGURE_SIZE = (8.0, 4.5)            # inches: 800 x 450 pixels at DPI
 PANEL_WIDTH = 7.0                   # inches of each panel when a comparison has two (1400 x 450)
 FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
-INSTALL_HINT = "pip install fastppl[plot]"
+INSTALL_HINT = "pip install matplotlib"
 
 
 def require_matplotlib(flag: str = "--plot") -> None:
