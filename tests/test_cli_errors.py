@@ -241,6 +241,17 @@ def test_a_model_with_a_nan_weight_is_an_error_with_no_output(monkeypatch, text,
                        "the model produced a non-finite loss in fp32; check its weights for NaN or inf")
 
 
+def test_an_empty_resume_path_is_an_error_not_no_resume(text, outputs, tokenizer_dir, capsys):
+    _assert_user_error(*_main(capsys, _args(TINY, text, outputs, tokenizer_dir, "--resume", "")), outputs,
+                       "--resume: empty path")
+
+
+def test_batching_with_kv_cache_on_is_an_error_not_ignored(text, outputs, tokenizer_dir, capsys):
+    args = _args("random:llama-tiny", text, outputs, tokenizer_dir, "--window", "sliding", "--kv-cache", "on",
+                 "--batching", "packed")
+    _assert_user_error(*_main(capsys, args), outputs, "--batching packed does not apply with --kv-cache on")
+
+
 def test_model_path_is_a_file(text, outputs, tokenizer_dir, capsys):
     _assert_user_error(*_main(capsys, _args(text, text, outputs, tokenizer_dir)), outputs, "is a file")
 

@@ -180,6 +180,12 @@ DOCS_A = [
 DOCS_B = [dict(d, nll_sum=d["nll_sum"] * f) for d, f in zip(DOCS_A, (1.0, 0.9, 1.5, 1.0, 1.0))]
 
 
+def result_of(docs, **changes):
+    """A report whose totals are those of its per-document file (compare checks that they are)."""
+    tokens, nll_sum = sum(d["tokens"] for d in docs), sum(d["nll_sum"] for d in docs)
+    return dict(make_result(nll=nll_sum / tokens, tokens=tokens), nll_sum=nll_sum, **changes)
+
+
 def test_per_doc_worst_documents_and_largest_increases(tmp_path, capsys):
     a = write_docs(tmp_path / "a.jsonl", DOCS_A)
     b = write_docs(tmp_path / "b.jsonl", DOCS_B)
@@ -219,8 +225,8 @@ def test_per_doc_increases_rank_by_nll_per_token_not_by_total(tmp_path, capsys):
     before = [{"id": "long", "tokens": 1000, "bytes": 4000, "words": 800, "nll_sum": 2000.0},
               {"id": "short", "tokens": 20, "bytes": 80, "words": 16, "nll_sum": 40.0}]
     after = [dict(before[0], nll_sum=2100.0), dict(before[1], nll_sum=60.0)]
-    a = write(tmp_path / "a.json", make_result())
-    b = write(tmp_path / "b.json", make_result(nll=3.1))
+    a = write(tmp_path / "a.json", result_of(before))
+    b = write(tmp_path / "b.json", result_of(after))
     docs_x, docs_y = write_docs(tmp_path / "x.jsonl", before), write_docs(tmp_path / "y.jsonl", after)
     assert main(["compare", a, b, "--per-doc", docs_x, docs_y]) == 0
     out = capsys.readouterr().out
@@ -229,9 +235,23 @@ def test_per_doc_increases_rank_by_nll_per_token_not_by_total(tmp_path, capsys):
     assert "worst documents of a\n" in out and "worst documents of x" not in out   # the runs' labels
 
 
+def test_a_per_doc_file_must_be_its_runs(tmp_path, capsys):
+    """Shown under a run's label, a per-document file must sum to that run's totals (another run's file, or one of
+    another corpus, was shown as if it were the run's), unless --force."""
+    a, b = write(tmp_path / "a.json", result_of(DOCS_A)), write(tmp_path / "b.json", result_of(DOCS_B))
+    docs_a, docs_b = write_docs(tmp_path / "a.jsonl", DOCS_A), write_docs(tmp_path / "b.jsonl", DOCS_B)
+    assert main(["compare", a, b, "--per-doc", docs_b, docs_a]) == 2       # swapped: same tokens, other NLL
+    assert f"{docs_b}: is not the per-document file of {a}" in one_line_error(capsys)
+    other_corpus = write_docs(tmp_path / "c.jsonl", DOCS_A[:2])
+    assert main(["compare", a, "--per-doc", other_corpus]) == 2
+    assert "sum to 150 tokens" in one_line_error(capsys)
+    assert main(["compare", a, "--per-doc", other_corpus, "--force"]) == 0
+    assert main(["compare", a, b, "--per-doc", docs_a, docs_b]) == 0       # each its own
+
+
 def test_per_doc_path_from_the_report(tmp_path, capsys):
     write_docs(tmp_path / "a-docs.jsonl", DOCS_A)
-    run = write(tmp_path / "a.json", dict(make_result(), per_doc_path="a-docs.jsonl"))   # relative to the report
+    run = write(tmp_path / "a.json", result_of(DOCS_A, per_doc_path="a-docs.jsonl"))   # relative to the report
     assert main(["compare", run, "--min-doc-tokens", "1"]) == 0
     out = capsys.readouterr().out
     assert "worst documents of a" in out and out.split("worst documents of a\n")[1].splitlines()[2].startswith("doc:4")
@@ -266,8 +286,8 @@ def test_bad_per_doc_lines_are_one_line_errors(tmp_path, capsys, line, message):
 
 @needs_matplotlib
 def test_comparison_figures(tmp_path, capsys):
-    a = write(tmp_path / "a.json", make_result(3.0))
-    b = write(tmp_path / "b.json", make_result(3.2))
+    a = write(tmp_path / "a.json", result_of(DOCS_A))
+    b = write(tmp_path / "b.json", result_of(DOCS_B))
     plot = tmp_path / "runs.png"
     assert main(["compare", a, b, "--plot", str(plot)]) == 0
     assert png_size(plot) == (800, 450)
@@ -278,7 +298,7 @@ def test_comparison_figures(tmp_path, capsys):
     assert main(["compare", "--per-doc", docs_a, "--plot", str(tmp_path / "docs.png")]) == 0
     assert png_size(tmp_path / "docs.png") == (800, 450)
 
-    old = write(tmp_path / "old.json", {k: v for k, v in make_result().items() if not k.startswith("nll_by")})
+    old = write(tmp_path / "old.json", {k: v for k, v in result_of(DOCS_A).items() if not k.startswith("nll_by")})
     assert main(["compare", a, old, "--plot", str(tmp_path / "x.png")]) == 2
     assert "has no nll_by_position" in one_line_error(capsys) and not (tmp_path / "x.png").exists()
 

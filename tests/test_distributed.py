@@ -132,6 +132,20 @@ def test_nproc_below_one_is_an_error(tmp_path, tokenizer_dir, capsys):
     assert "--nproc must be at least 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("extra, flag", [(["--resume", "ckpt"], "--resume"),
+                                         (["--window", "sliding", "--kv-cache", "on"], "--kv-cache on")])
+def test_nproc_refuses_one_process_options_before_starting_torchrun(tmp_path, capsys, extra, flag, monkeypatch):
+    import fastppl.distributed as distributed
+    monkeypatch.setattr(distributed, "relaunch_under_torchrun", lambda *a: pytest.fail("torchrun was started"))
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    monkeypatch.chdir(tmp_path)
+    assert main(["eval", "--model", "random:llama-tiny", "--data", str(text), "--nproc", "2", *extra]) == 2
+    assert capsys.readouterr().err == (f"fastppl: error: {flag} runs in one process only; drop it or run without "
+                                       "--nproc / torchrun\n")
+    assert not (tmp_path / "ckpt").exists()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # two processes (gloo) against one
 

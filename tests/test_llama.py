@@ -138,6 +138,23 @@ def test_config_reads_both_rope_spellings():
     assert llama_config_from_hf(old).rope_type == "llama3" and llama_config_from_hf(old).n_kv_head == 4
 
 
+@pytest.mark.parametrize("rope, missing", [
+    (dict(rope_type="llama3", rope_theta=1e4), "factor, low_freq_factor, high_freq_factor, original_max_position"),
+    (dict(rope_type="llama3", rope_theta=1e4, factor=8.0, low_freq_factor=1.0, original_max_position_embeddings=64),
+     "needs high_freq_factor"),
+    (dict(rope_type="linear", rope_theta=1e4), "needs factor"),
+])
+def test_a_rope_config_missing_its_keys_is_a_corrupt_checkpoint_not_defaults(tmp_path, rope, missing):
+    """transformers refuses these configs; the native loader filled in factor 1.0 and ran."""
+    _tiny_hf("llama").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("rope_scaling", None)
+    config["rope_parameters"] = rope
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(FastpplError, match=f"{missing}.*the checkpoint is corrupt"):
+        load_model(str(tmp_path), backend="native")
+
+
 def test_unsupported_rope_falls_back_to_transformers(tmp_path):
     hf = _tiny_hf("llama", rope_scaling=dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=64))
     hf.save_pretrained(tmp_path)

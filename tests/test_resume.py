@@ -117,6 +117,27 @@ def test_finished_checkpoint_reruns_without_scoring_and_other_arguments_are_refu
         error = capsys.readouterr().err
         assert "is not a readable fastppl checkpoint" in error and error.count("\n") == 1, error
 
+    # a zip that numpy reads, damaged inside (each was a traceback before)
+    (checkpoint_dir / CHECKPOINT_FILE).write_bytes(whole)
+    with np.load(checkpoint_dir / CHECKPOINT_FILE) as stored:
+        good = {name: stored[name] for name in stored.files}
+    meta = json.loads(str(good["meta"]))
+    damages = {
+        "a sum cut short": dict(good, position_nll_sum=good["position_nll_sum"][:1]),
+        "a sum missing": {k: v for k, v in good.items() if k != "nll_sum"},
+        "a sum of strings": dict(good, nll_sum=np.array(["x"])),
+        "meta not an object": dict(good, meta=np.array("[1]")),
+        "batches_done missing": dict(good, meta=np.array(json.dumps({"fingerprint": meta["fingerprint"]}))),
+        "batches_done not a number": dict(good, meta=np.array(json.dumps(dict(meta, batches_done="x")))),
+        "finished windows not bool": dict(good, finished_windows=good["finished_windows"].astype(np.int64)),
+    }
+    for what, arrays in damages.items():
+        with open(checkpoint_dir / CHECKPOINT_FILE, "wb") as f:
+            np.savez(f, **arrays)
+        assert main(args) == 2, what
+        error = capsys.readouterr().err
+        assert "is not a readable fastppl checkpoint" in error and error.count("\n") == 1, (what, error)
+
     not_a_directory = tmp_path / "file"
     not_a_directory.write_text("x")
     assert main(eval_args(tokenizer_dir, corpus_dir, tmp_path, "--resume", str(not_a_directory))) == 2

@@ -112,6 +112,8 @@ def _check_model_given(model: str) -> None:
 
 def _config_from_args(args: argparse.Namespace):
     _check_model_given(args.model)
+    if args.resume is not None and not args.resume.strip():   # else it would read as no --resume, silently
+        raise FastpplError("--resume: empty path; give a directory for the checkpoint or leave --resume out")
     if args.resume is None and (args.checkpoint_seconds is not None or args.checkpoint_batches is not None):
         raise FastpplError("--checkpoint-seconds and --checkpoint-batches apply with --resume only; add --resume DIR")
     if args.text_field is not None and not any(s.startswith("hf:") or Path(s).suffix == ".jsonl" for s in args.data):
@@ -149,6 +151,9 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc != 1:
         # a bad option, output path or --data path fails here, once, not in every rank under torchrun's traceback
         _config_from_args(args)
+        for flag, given in (("--resume", args.resume is not None), ("--kv-cache on", args.kv_cache == "on")):
+            if given:   # each rank would refuse it (pipeline.evaluate), after starting torchrun
+                raise FastpplError(f"{flag} runs in one process only; drop it or run without --nproc / torchrun")
         _check_eval_outputs(args)
         from .data.corpus import BUILTINS
         for spec in args.data:

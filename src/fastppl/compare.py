@@ -92,6 +92,7 @@ _FIELD_TYPES = {
     # reports write null where a value is not finite (ppl past float64's range, bits/byte with no bytes)
     "nll": _is_number, "ppl": lambda v: v is None or _is_number(v),
     "tokens_scored": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+    "nll_sum": _is_number,
     "tokens_per_second": lambda v: v is None or _is_number(v),
     "bits_per_byte": lambda v: v is None or _is_number(v),
     "dtype": lambda v: isinstance(v, str),
@@ -243,6 +244,19 @@ def load_per_doc(path: str) -> list[DocResult]:
     return documents
 
 
+def check_per_doc_is_the_runs(run: Run, path: str, docs: Sequence[DocResult]) -> None:
+    """A per-document file shown under a run's label must sum to that run's totals."""
+    tokens, nll_sum = sum(d.tokens for d in docs), math.fsum(d.nll_sum for d in docs)
+    expected_tokens = run.result["tokens_scored"]
+    expected_nll = run.result.get("nll_sum", nll_sum)   # a report of an older fastppl may lack it
+    # per-document and total sums are separate float64 sums of the same values: equal to well within 1e-9
+    if tokens != expected_tokens or not math.isclose(nll_sum, expected_nll, rel_tol=1e-9, abs_tol=1e-9):
+        raise FastpplError(
+            f"{path}: is not the per-document file of {run.path} (its documents sum to {tokens:,} tokens and "
+            f"NLL {nll_sum:.6f}, the report to {expected_tokens:,} and {expected_nll:.6f}); pass each run's own "
+            "--per-doc file in order, or --force")
+
+
 def check_docs_comparable(doc_sets: Sequence[list[DocResult]], labels: Sequence[str], force: bool) -> None:
     if force or len(doc_sets) < 2:
         return
@@ -332,13 +346,18 @@ def compare(run_paths: Sequence[str], per_doc_paths: Sequence[str] = (), plot: O
         raise FastpplError(f"{lacking[0]}: has no nll_by_position to draw (an older fastppl wrote it); "
                            "run eval again, or drop --plot")
 
-    if per_doc_paths:
-        doc_labels = [r.label for r in runs] if len(runs) == len(per_doc_paths) else _labels(per_doc_paths)
+    if per_doc_paths:   # given as many as runs, the files are the runs' own, in order, under their labels
+        paired_runs = runs if len(runs) == len(per_doc_paths) else []
+        doc_labels = [r.label for r in paired_runs] or _labels(per_doc_paths)
     else:
         with_docs = [(r, _per_doc_path_of(r)) for r in runs]
         with_docs = [(r, p) for r, p in with_docs if p]
-        per_doc_paths, doc_labels = [p for _, p in with_docs], [r.label for r, _ in with_docs]
+        per_doc_paths, paired_runs = [p for _, p in with_docs], [r for r, _ in with_docs]
+        doc_labels = [r.label for r in paired_runs]
     doc_sets = [load_per_doc(p) for p in per_doc_paths]
+    if not force:
+        for run, path, docs in zip(paired_runs, per_doc_paths, doc_sets):
+            check_per_doc_is_the_runs(run, path, docs)
     check_docs_comparable(doc_sets, doc_labels, force)
 
     sections = []

@@ -251,7 +251,11 @@ def evaluate(config: EvalConfig) -> dict:
     plans_here = shard_plans(plans, dist.rank, dist.world_size) if dist else plans
     use_kv_cache, kv_cache_reason = choose_kv_cache(config.kv_cache, config.window, model)
     if dist and (use_kv_cache or config.resume):
-        raise FastpplError("--kv-cache on and --resume run in one process only; drop them or run without torchrun")
+        flag = "--resume" if config.resume else "--kv-cache on"
+        raise FastpplError(f"{flag} runs in one process only; drop it or run without --nproc / torchrun")
+    if use_kv_cache and config.batching != "auto":   # it would be ignored: the cached path makes its own rows
+        raise FastpplError(f"--batching {config.batching} does not apply with --kv-cache on, which scores a row per "
+                           "document; drop one of them")
     if use_kv_cache and config.resume:
         # the cached path scores documents row by row, not in the planned batches that checkpoints count
         raise FastpplError("--resume does not work with --kv-cache on; drop one of them")

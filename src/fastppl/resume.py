@@ -96,13 +96,17 @@ class Checkpointer:
         """Restore sums from the checkpoint; the number of batches already done (0 without a checkpoint)."""
         if not self.path.exists():
             return 0
+        unreadable = FastpplError(f"{self.path}: is not a readable fastppl checkpoint; delete it to start over")
         try:
             with np.load(self.path, allow_pickle=False) as stored:
                 arrays = {name: stored[name] for name in stored.files}
             meta = json.loads(str(arrays.pop("meta")))
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):   # cut short, empty, or not a zip
-            raise FastpplError(f"{self.path}: is not a readable fastppl checkpoint; delete it to start over") from None
-        saved = meta.get("fingerprint", {})
+            raise unreadable from None
+        # a zip that numpy reads may still not be ours, or be damaged inside: every part is checked before use
+        if not isinstance(meta, dict) or not isinstance(meta.get("fingerprint"), dict):
+            raise unreadable
+        saved = meta["fingerprint"]
         if saved != self.fingerprint:
             differing = sorted(k for k in set(saved) | set(self.fingerprint) if saved.get(k) != self.fingerprint.get(k))
             details = "; ".join(f"{k}: {saved.get(k)!r} then, {self.fingerprint.get(k)!r} now" for k in differing[:4])
@@ -110,15 +114,26 @@ class Checkpointer:
                 f"--resume {self.directory}: its checkpoint was made with other arguments ({details}); "
                 "rerun with the same arguments, or give another --resume directory"
             )
-        done = int(meta["batches_done"])
-        expected = finished_windows(self.plans, done, self.n_windows)
-        if done > len(self.plans) or not np.array_equal(arrays.pop("finished_windows"), expected):
+        done = meta.get("batches_done")
+        finished = arrays.pop("finished_windows", None)
+        if type(done) is not int or not 0 <= done <= len(self.plans) or finished is None or finished.dtype != bool:
+            raise unreadable
+        if not np.array_equal(finished, finished_windows(self.plans, done, self.n_windows)):
             raise FastpplError(f"{self.path}: its finished windows do not match this run's plan; delete it to start over")
+        restored = {}
         for name in SUM_FIELDS:
             tensor = getattr(sums, name)
-            assert (tensor is None) == (name not in arrays), f"checkpoint and run disagree on {name}"
-            if tensor is not None:
-                tensor.copy_(torch.from_numpy(arrays[name]).reshape(tensor.shape))
+            if tensor is None:
+                if name in arrays:
+                    raise unreadable
+                continue
+            stored = arrays.get(name)
+            if stored is None or stored.dtype.kind != "f" or stored.size != tensor.numel():
+                raise unreadable
+            restored[name] = stored
+        for name, stored in restored.items():   # only once all are known good: no half-restored sums
+            tensor = getattr(sums, name)
+            tensor.copy_(torch.from_numpy(stored).reshape(tensor.shape))
         return done
 
     def save(self, batches_done: int, sums: DeviceSums) -> None:

@@ -199,9 +199,17 @@ def llama_unsupported(hf_config: dict) -> Optional[str]:
     return None
 
 
+# what transformers requires of each RoPE type: a config without them is incomplete, not one to fill with defaults
+ROPE_REQUIRED_KEYS = {"linear": ("factor",),
+                      "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
 def llama_config_from_hf(hf_config: dict) -> LlamaConfig:
     model_type = hf_config["model_type"]
     rope = _llama_rope(hf_config)
+    missing = [key for key in ROPE_REQUIRED_KEYS.get(rope["rope_type"], ()) if key not in rope]
+    if missing:
+        raise ValueError(f"RoPE type {rope['rope_type']!r} needs {', '.join(missing)}")
     max_positions = hf_config.get("max_position_embeddings", 2048)
     # sliding-window attention equals full causal attention on windows no longer than the window,
     # so capping the context at it keeps the native (full-attention) model exact
@@ -224,7 +232,7 @@ def llama_config_from_hf(hf_config: dict) -> LlamaConfig:
         rms_norm_eps=hf_config.get("rms_norm_eps", 1e-6),
         rope_theta=rope["rope_theta"],
         rope_type=rope["rope_type"],
-        rope_factor=rope.get("factor", 1.0),
+        rope_factor=rope.get("factor", 1.0),                 # the defaults serve the types that do not use them
         rope_low_freq_factor=rope.get("low_freq_factor", 1.0),
         rope_high_freq_factor=rope.get("high_freq_factor", 4.0),
         rope_original_max_positions=rope.get("original_max_position_embeddings", max_positions),
