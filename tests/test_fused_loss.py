@@ -105,3 +105,21 @@ def test_vocabulary_segments_agree_and_a_row_does_not_depend_on_its_batch(tma):
     rows = torch.tensor([3, 40, 41, 96]).to(DEVICE)
     assert torch.equal(fused_loss.fused_token_nll(h[rows], w, t[rows], **tiles), split[rows])
     assert fused_loss.vocabulary_segments(50, 64) == 1 and fused_loss.vocabulary_segments(50257, 256) == 9
+
+
+def test_pointer_offsets_in_int64_where_int32_would_wrap(monkeypatch):
+    """Row x stride past 2^31 elements wrapped in int32 on the pointer path (a wrong read, or an illegal access):
+    such shapes take int64 offsets. The int64 variant is checked here on a small input, forced on."""
+    assert not fused_loss.needs_64bit_offsets(65_536, 768, 50_257, 768)          # GPT-2, batch 64 x 1024
+    assert fused_loss.needs_64bit_offsets(2_796_203, 768, 50_257, 768)           # fp32 GPT-2 at 2,731 x 1024
+    assert fused_loss.needs_64bit_offsets(1_000, 4_096, 524_288, 4_096)          # a vocabulary x width past it
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(70, 40, generator=g).to(DEVICE)
+    w = (0.3 * torch.randn(257, 40, generator=g)).to(DEVICE)
+    b = torch.randn(257, generator=g).to(DEVICE)
+    t = torch.randint(0, 257, (70,), generator=g).to(DEVICE)
+    int32 = fused_loss.fused_token_nll(h, w, t, b, block_m=32, block_n=64, block_k=32, tma=False)
+    monkeypatch.setattr(fused_loss, "needs_64bit_offsets", lambda *shape: True)
+    int64 = fused_loss.fused_token_nll(h, w, t, b, block_m=32, block_n=64, block_k=32, tma=False)
+    assert torch.equal(int64, int32)
+    assert (int64.double() - _reference(h, w, t, b)).abs().max().item() <= MAX_ABS_ERROR

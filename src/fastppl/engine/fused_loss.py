@@ -35,18 +35,23 @@ if triton is not None:
     @triton.jit
     def _k_step(hidden_src, weight_src, rows, row_ok, cols, col_ok, row_start, v_start, k_start, C, stride_hn,
                 stride_wv, logits, BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, TAIL: tl.constexpr,
-                EVEN_K: tl.constexpr, TMA: tl.constexpr):
+                EVEN_K: tl.constexpr, TMA: tl.constexpr, OFFSETS_64: tl.constexpr):
         """logits + h[rows, k_start : k_start + BLOCK_K] . W[cols, same k]^T. TAIL: the tile runs past V, so its
         columns are masked; whole tiles need no masks (peeling the tail off moved the loss from 11.1 to 9.6 ms at
         GPT-2's shape, docs/BENCHMARKS.md). TMA: hidden_src and weight_src are tensor descriptors (Hopper's bulk
-        copies, zero past the edges) instead of pointers."""
+        copies, zero past the edges) instead of pointers. OFFSETS_64: the pointer offsets are computed in int64
+        (row or vocabulary index x stride reaches 2^31 elements, where int32 wraps)."""
         if TMA:
             h = hidden_src.load([row_start, k_start])                                             # (M, K)
             w = weight_src.load([v_start, k_start]).T                                             # (K, N)
         else:
             k = k_start + tl.arange(0, BLOCK_K)
-            h_ptrs = hidden_src + rows[:, None] * stride_hn + k[None, :]
-            w_ptrs = weight_src + cols[None, :] * stride_wv + k[:, None]
+            if OFFSETS_64:
+                h_ptrs = hidden_src + rows[:, None].to(tl.int64) * stride_hn + k[None, :]
+                w_ptrs = weight_src + cols[None, :].to(tl.int64) * stride_wv + k[:, None]
+            else:
+                h_ptrs = hidden_src + rows[:, None] * stride_hn + k[None, :]
+                w_ptrs = weight_src + cols[None, :] * stride_wv + k[:, None]
             if EVEN_K:
                 h = tl.load(h_ptrs, mask=row_ok[:, None], other=0.0)                              # (M, K)
                 if TAIL:
@@ -82,6 +87,7 @@ if triton is not None:
         stride_hn, stride_wv,
         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         INPUT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, SEGMENTS: tl.constexpr,
+        OFFSETS_64: tl.constexpr,
     ):
         """Program (row block, segment) folds the segment's whole vocabulary tiles (the last segment also the
         partial tile) into its rows' running statistics; with one segment it writes the NLL, else the statistics
@@ -109,7 +115,7 @@ if triton is not None:
             cols = v_start + tl.arange(0, BLOCK_N)
             logits = _k_step(hidden_src, weight_src, rows, row_ok, cols, cols < V, row_start, v_start,
                              k_index * BLOCK_K, C, stride_hn, stride_wv, logits, BLOCK_K, INPUT_PRECISION, False,
-                             EVEN_K, TMA)
+                             EVEN_K, TMA, OFFSETS_64)
             if k_index == k_steps - 1:
                 running_max, running_sum, target_logit = _fold_logits(
                     logits, bias_ptr, cols, cols < V, targets, running_max, running_sum, target_logit, HAS_BIAS,
@@ -120,7 +126,7 @@ if triton is not None:
             for k_start in range(0, C, BLOCK_K):
                 logits = _k_step(hidden_src, weight_src, rows, row_ok, cols, cols < V, row_start, full_tiles_end,
                                  k_start, C, stride_hn, stride_wv, logits, BLOCK_K, INPUT_PRECISION, True, EVEN_K,
-                                 TMA)
+                                 TMA, OFFSETS_64)
             running_max, running_sum, target_logit = _fold_logits(
                 logits, bias_ptr, cols, cols < V, targets, running_max, running_sum, target_logit, HAS_BIAS, True)
         if SEGMENTS == 1:
@@ -178,6 +184,15 @@ def _tma_fits(*tensors: torch.Tensor) -> bool:
         for t in tensors)
 
 
+INT32_OFFSETS_LIMIT = 2 ** 31
+
+
+def needs_64bit_offsets(n_rows: int, row_stride: int, n_vocab: int, vocab_stride: int) -> bool:
+    """Whether pointer loads reach an element offset int32 cannot hold (e.g. fp32 GPT-2 at 2,731 rows x 1,024
+    positions: 2.8 M rows x 768). Only then are offsets computed in int64, so the usual kernel is unchanged."""
+    return max(n_rows * row_stride, n_vocab * vocab_stride) >= INT32_OFFSETS_LIMIT
+
+
 def fused_token_nll(
     hidden: torch.Tensor,            # (N, C) bf16/fp16/fp32, CUDA
     weight: torch.Tensor,            # (V, C) same dtype
@@ -197,6 +212,7 @@ def fused_token_nll(
     block_k = block_k or (32 if wide else 64)
     hidden = hidden.contiguous()
     weight = weight.contiguous()
+    bias = bias.contiguous() if bias is not None else None   # the kernel reads it at stride 1
     N, C = hidden.shape
     V = weight.shape[0]
     if N == 0:   # a descriptor needs a non-empty tensor; nothing to launch anyway
@@ -218,6 +234,8 @@ def fused_token_nll(
         N, V, C, V // block_n * block_n, hidden.stride(0), weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         INPUT_PRECISION="ieee" if wide else "tf32", EVEN_K=C % block_k == 0, TMA=tma, SEGMENTS=segments,
+        # descriptors address in 64 bits themselves
+        OFFSETS_64=not tma and needs_64bit_offsets(N, hidden.stride(0), V, weight.stride(0)),
         num_warps=num_warps, num_stages=num_stages,
     )
     if segments > 1:
