@@ -49,6 +49,43 @@ def test_out_of_memory_back_off_loses_and_double_counts_nothing():
     assert not torch.isnan(sums.per_token[:-1]).any()
 
 
+def test_a_failing_on_batch_hook_is_not_taken_for_the_batch_running_out_of_memory():
+    """The hook runs after the batch's sums are added: had its error been taken for the batch's out of memory,
+    the batch would be scored again and counted twice."""
+    model, refs, batch_of, ctx = _setup()
+    sums = DeviceSums.zeros(ctx, torch.device("cpu"), 700)
+    plans = plan_batches([r.window.length for r in refs], "padded", ctx, 8)
+
+    def hook(batch):
+        raise torch.OutOfMemoryError("CUDA out of memory (in a checkpoint's host copy)")
+    with pytest.raises(torch.OutOfMemoryError):
+        score_plans(make_score_fn(model), plans, batch_of, sums, torch.device("cpu"), on_batch=hook,
+                    split=split_rows)
+    assert sums.position_count.sum().item() == batch_of(plans[0]).n_scored   # the first batch, once
+
+
+def test_the_report_says_when_batches_were_cut_for_memory(monkeypatch, tmp_path, tokenizer_dir):
+    import fastppl.engine.score as score
+    import fastppl.pipeline as pipeline
+    real_score_batches = score.score_batches
+
+    def flaky(score_fn, batches, *args, **kwargs):
+        batches = list(batches)
+        if batches[0].input_ids.shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_score_batches(score_fn, batches, *args, **kwargs)
+    monkeypatch.setattr(score, "score_batches", flaky)
+    text = tmp_path / "t.txt"
+    text.write_text("Now is the winter of our discontent made glorious summer by this sun of York. " * 8)
+    config = dict(model="random:gpt2-tiny", data=[str(text)], tokenizer=str(tokenizer_dir), ctx=32, device="cpu",
+                  quiet=True)
+    cut = evaluate(EvalConfig(**config, batch_size=8))
+    assert cut["batch_size_reason"] == "--batch-size; out of memory at it, later batches ran 2 rows"
+    monkeypatch.setattr(score, "score_batches", real_score_batches)
+    whole = evaluate(EvalConfig(**config, batch_size=8))
+    assert whole["batch_size_reason"] == "--batch-size" and cut["nll_sum"] == pytest.approx(whole["nll_sum"], rel=1e-9)
+
+
 def test_other_errors_are_not_swallowed():
     model, refs, batch_of, ctx = _setup()
 
@@ -309,6 +346,36 @@ def test_auto_batch_size_probes_where_the_memory_bound_does_not_fit(monkeypatch)
     probed.clear()
     rows, _ = batch_size.auto_batch_size(_never_probe, 1000, torch.device("cuda"), bound=None)
     assert probed == [4] and rows == 56
+
+
+def test_auto_batch_size_halves_a_probe_that_runs_out_of_memory(monkeypatch):
+    """A model so large that 4 probe rows do not fit: the probe halves (it failed the run before), and only a
+    row that does not fit alone, or another error, ends the run."""
+    from fastppl.accel import batch_size
+    probed = []
+
+    def measure(fits):
+        def measured(probe, rows, device):
+            probed.append(rows)
+            if rows > fits:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return 10e9
+        return measured
+    monkeypatch.setattr(batch_size, "_free_bytes", lambda device: 40e9)
+    monkeypatch.setattr(batch_size, "_measured_bytes_per_row", measure(fits=1))
+    rows, reason = batch_size.auto_batch_size(_never_probe, 1000, torch.device("cuda"))
+    assert probed == [4, 2, 1] and rows == 3 and reason == "auto: probed 1 rows (2 ran out of memory)"
+    probed.clear()
+    monkeypatch.setattr(batch_size, "_measured_bytes_per_row", measure(fits=0))
+    with pytest.raises(torch.OutOfMemoryError):
+        batch_size.auto_batch_size(_never_probe, 1000, torch.device("cuda"))
+    assert probed == [4, 2, 1]
+
+    def fails(probe, rows, device):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(batch_size, "_measured_bytes_per_row", fails)
+    with pytest.raises(RuntimeError, match="illegal memory access"):   # not taken for out of memory
+        batch_size.auto_batch_size(_never_probe, 1000, torch.device("cuda"))
 
 
 def test_memory_bound_covers_fastppl_models_only_and_grows_with_the_row_length():

@@ -320,9 +320,11 @@ def evaluate(config: EvalConfig) -> dict:
         else:
             # out of memory: the failing batch is split by rows and scored again (not with --resume, whose
             # checkpoints count whole batches)
-            score_plans(score_fn, plans_here[start_batch:],
-                        lambda p: batch_from_plan(p, refs, stream_ids, target_offsets),
-                        sums, device, on_batch=after_batch, split=None if checkpointer else split_rows)
+            backed_off_to = score_plans(score_fn, plans_here[start_batch:],
+                                        lambda p: batch_from_plan(p, refs, stream_ids, target_offsets),
+                                        sums, device, on_batch=after_batch, split=None if checkpointer else split_rows)
+            if backed_off_to:
+                batch_size_reason += f"; out of memory at it, later batches ran {backed_off_to} rows"
             tokens_forwarded = sum(r.window.length for r in refs)
         if tuning.mode != "off":
             products = f"{products}: {tuner.summary()}"

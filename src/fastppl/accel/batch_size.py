@@ -7,6 +7,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from ..errors import is_out_of_memory
+
 MAX_AUTO_BATCH = 256
 BOUND_SAFETY = 2.0   # the bound below counts every tensor a layer could hold at once; then doubles it
 
@@ -77,9 +79,19 @@ def auto_batch_size(
         # every window in one batch as it is; else a whole number of 8-row tiles
         return largest if largest == n_windows else _whole_rows(largest), "auto: fits a memory bound, no probe"
     probe_rows = min(probe_rows, n_windows)
-    per_row = _measured_bytes_per_row(probe, probe_rows, device)
+    too_many = None
+    while True:
+        try:
+            per_row = _measured_bytes_per_row(probe, probe_rows, device)
+            break
+        except Exception as error:   # noqa: BLE001 - only out of memory is handled; the rest re-raised
+            if not is_out_of_memory(error) or probe_rows == 1:
+                raise
+        # outside the except block, whose traceback would keep the failed batch's tensors alive
+        too_many, probe_rows = probe_rows, probe_rows // 2
     rows = max(1, min(int(headroom * _free_bytes(device) / per_row), largest))
-    return _whole_rows(rows), f"auto: probed {probe_rows} rows"
+    out_of_memory = f" ({too_many} ran out of memory)" if too_many else ""
+    return _whole_rows(rows), f"auto: probed {probe_rows} rows{out_of_memory}"
 
 
 def balanced_batch_size(rows: int, n_windows: int) -> int:

@@ -181,7 +181,7 @@ def score_plans(
     """Score planned batches in order. On out-of-memory (when split is given) the failing batch is cut
     into halves by rows (split(plan, max_rows)) and every later batch is cut to that size too. The sums
     are only touched after a batch's scores exist, so a failed batch adds nothing: no window is lost or
-    counted twice. Returns the largest number of rows that was used last (0 if nothing was scored)."""
+    counted twice. Returns the rows a batch was cut to (0 if none ran out of memory)."""
     queue = deque(plans)
     max_rows = None
     while queue:
@@ -189,16 +189,22 @@ def score_plans(
         if max_rows is not None and plan.n_rows > max_rows:
             queue.extendleft(reversed(split(plan, max_rows)))
             continue
+        batch = build(plan)
         try:
-            score_batches(score_fn, [build(plan)], sums, device, on_batch)
+            score_batches(score_fn, [batch], sums, device)
         except RuntimeError as error:
             if split is None or not is_out_of_memory(error) or plan.n_rows == 1:
                 raise
-            del error
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            max_rows = max(plan.n_rows // 2, 1)
-            if on_backoff is not None:
-                on_backoff(max_rows)
-            queue.appendleft(plan)
+        else:
+            if on_batch is not None:   # outside the try: its own failure must not look like this batch's
+                on_batch(batch)
+            continue
+        # out of memory, handled outside the except block, whose traceback keeps the failed batch's tensors
+        del batch
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        max_rows = max(plan.n_rows // 2, 1)
+        if on_backoff is not None:
+            on_backoff(max_rows)
+        queue.appendleft(plan)
     return max_rows or 0
