@@ -118,12 +118,14 @@ def test_damaged_stored_picks_are_not_taken(monkeypatch, tmp_path, entry):
     assert tuner.plan(_product()) is None and tuner.failure is None
 
 
-def test_tuner_falls_back_to_torch_on_a_cublaslt_error_but_not_on_out_of_memory(monkeypatch, tmp_path):
+def test_tuner_falls_back_to_torch_on_a_cublaslt_error_and_for_one_shape_on_out_of_memory(monkeypatch, tmp_path):
     tuner = _tuner(monkeypatch, tmp_path / "picks.json")
     assert tuner.plan(_product(fail=RuntimeError("cuBLAS status 7"))) is None
     assert "cuBLAS status 7" in tuner.failure and "failed" in tuner.summary()
-    with pytest.raises(torch.OutOfMemoryError):
-        _tuner(monkeypatch, tmp_path / "picks.json").plan(_product(fail=torch.OutOfMemoryError("out of memory")))
+    # the candidates' extra outputs not fitting costs that shape its tuning, not the run its batch size
+    tuner = _tuner(monkeypatch, tmp_path / "picks.json")
+    assert tuner.plan(_product(fail=torch.OutOfMemoryError("out of memory"))) is None
+    assert tuner.failure is None and "1 shapes left to torch: checking candidates ran out of memory" in tuner.summary()
 
 
 def test_picks_store_merges_and_survives_damage(tmp_path):

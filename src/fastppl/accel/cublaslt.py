@@ -15,6 +15,7 @@ import contextlib
 import ctypes
 import json
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -235,9 +236,9 @@ def time_candidates(trial, indices: list[int], rounds: int = 5, calls: int = 3) 
 
 def read_picks(store: Optional[Path]) -> dict:
     """Stored picks ({product name: {index, config, ms}}); {} when absent or damaged (that only costs timing)."""
-    if store is None or not store.is_file():
-        return {}
-    try:
+    try:   # is_file too: it raises, not answers False, where a parent directory cannot be searched
+        if store is None or not store.is_file():
+            return {}
         picks = json.loads(store.read_text())
     except (OSError, ValueError):
         return {}
@@ -249,7 +250,8 @@ def write_picks(store: Optional[Path], picks: dict) -> None:
     be written only costs the timing next time."""
     if store is None:
         return
-    partial = store.with_name(f"{store.name}.{os.getpid()}.tmp")
+    # the host's name too: processes of two machines sharing the cache directory may have the same pid
+    partial = store.with_name(f"{store.name}.{socket.gethostname()}.{os.getpid()}.tmp")
     try:
         store.parent.mkdir(parents=True, exist_ok=True)
         partial.write_text(json.dumps({**read_picks(store), **picks}, indent=1, sort_keys=True))
@@ -282,7 +284,7 @@ class ProductTuner:
         self.timing_allowed = timing_allowed
         self.timed_rows = timed_rows
         self.plans: dict[tuple, Optional[LinearPlan]] = {}
-        self.tuned = self.reused = self.dropped = 0
+        self.tuned = self.reused = self.dropped = self.untuned_for_memory = 0
         self.tuning_seconds = 0.0
         self.failure: Optional[str] = None
         self._stored = read_picks(store)
@@ -293,10 +295,12 @@ class ProductTuner:
             return f"torch's cuBLAS picks (cuBLASLt's candidates failed: {self.failure})"
         parts = ([f"{self.tuned} timed ({self.tuning_seconds:.2f} s)"] if self.tuned else []) + \
                 ([f"{self.reused} reused from {self.store}"] if self.reused else [])
+        memory = (f"; {self.untuned_for_memory} shapes left to torch: checking candidates ran out of memory"
+                  if self.untuned_for_memory else "")
         if not parts:
-            return "torch's cuBLAS picks (no product shape was tuned)"
+            return "torch's cuBLAS picks (no product shape was tuned" + memory + ")"
         dropped = f"; {self.dropped} candidates left out for differing from torch's result" if self.dropped else ""
-        return "cuBLASLt's fastest candidate per product shape: " + ", ".join(parts) + dropped
+        return "cuBLASLt's fastest candidate per product shape: " + ", ".join(parts) + dropped + memory
 
     def fail(self, error: Exception) -> None:
         """No cuBLASLt, or a call it refused: torch's picks from here on."""
@@ -317,7 +321,9 @@ class ProductTuner:
                 try:
                     self.plans[key] = self._stored_plan(product) or self._timed_plan(product)
                 except torch.OutOfMemoryError:
-                    raise   # the scorer's own out-of-memory handling splits the batch
+                    # the candidates' extra outputs did not fit: torch's call alone may; if it does not either,
+                    # the scorer's own out-of-memory handling splits the batch
+                    self.untuned_for_memory += 1
                 except (RuntimeError, OSError) as error:
                     self.fail(error)
         return self.plans[key]
@@ -395,7 +401,7 @@ def use_tuning(setting: str, device: torch.device, dtype: torch.dtype, positions
         return TuningChoice("time", "on (auto)", worth)
     too_few = (f"{sum(positions_by_rows.values()):,} tokens are too few to repay timing candidates; it pays from "
                f"{TUNE_MIN_TOKENS:,} at one batch shape")
-    if not picks_store().is_file():
+    if not read_picks(picks_store()):
         return TuningChoice("off", f"torch's cuBLAS picks (auto: {too_few}, and no picks are stored)")
     return TuningChoice("stored", f"stored picks only (auto: {too_few})")
 
@@ -480,7 +486,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 
 def _tuned_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     shape = x.shape
-    return linear(x.reshape(-1, shape[-1]), self.weight, self.bias).view(*shape[:-1], -1)
+    # the width, not -1: there is no size to infer from 0 rows
+    return linear(x.reshape(-1, shape[-1]), self.weight, self.bias).view(*shape[:-1], self.weight.shape[0])
 
 
 def route_linears(model: nn.Module) -> int:

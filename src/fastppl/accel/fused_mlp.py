@@ -17,7 +17,7 @@ def _fused_activation(self: MLP, x: torch.Tensor) -> torch.Tensor:
     shape = x.shape
     # cuBLASLt's GELU epilogue is the tanh approximation, GPT-2's "gelu_new"
     h = linear(x.reshape(-1, shape[-1]), self.fc.weight, self.fc.bias, gelu=True)
-    return h.view(*shape[:-1], -1)
+    return h.view(*shape[:-1], self.fc.weight.shape[0])   # not -1: no size to infer from 0 rows
 
 
 def fuse_mlp_epilogue(model: nn.Module) -> int:
