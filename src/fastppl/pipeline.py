@@ -195,7 +195,6 @@ def evaluate(config: EvalConfig) -> dict:
     window_lengths = np.array([r.window.length for r in refs], dtype=np.int64)
     compiled, compile_reason = use_compile(config.compile, device, n_scored, loss, model_family(model),
                                            scored_share=n_scored / int(window_lengths.sum()))
-    # refs are in plan order (documents in order, windows in order): the window index of the batch plan
     # asked only where auto could pack: its first call imports torch's varlen module (0.3 s on the H200)
     varlen = len(scored_documents) > 1 and varlen_available(device, dtype)
     batching, batching_reason = resolve_batching(config.batching, len(scored_documents), takes_document_ids(model),

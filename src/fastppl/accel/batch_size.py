@@ -27,7 +27,7 @@ def scoring_memory_bound(model: nn.Module, seq_len: int, element_size: int, loss
                          chunk_rows: int) -> Optional[MemoryBound]:
     """An upper bound on a no-grad scoring forward's memory for fastppl's own models (None for others,
     whose batches the probe measures). Per row: the residual stream, a norm's output, q, k, v, the attention
-    output and the gathered loss rows (8 model widths), the MLP's inner tensors (up to 3 for SwiGLU, 4
+    output and the gathered loss rows (7 model widths, 8 counted), the MLP's inner tensors (up to 3 for SwiGLU, 4
     counted), fp32 attention scores in case a math kernel runs, and the per-token fp32 outputs; the chunked
     loss adds one chunk's logits in the model's dtype and in fp32, whatever the row count."""
     from ..models.gpt2 import GPT2Config

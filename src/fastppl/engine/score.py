@@ -75,7 +75,7 @@ def scored_rows_of(batch: Batch, device: torch.device) -> Optional[torch.Tensor]
 
 @dataclass
 class DeviceSums:
-    """Running sums on the device; read them with .to_host() once, at the end."""
+    """Running sums on the device, read to the host once, at the end (a checkpoint copies them too)."""
     nll_sum: torch.Tensor                      # () float64
     position_nll_sum: torch.Tensor             # (T,) float64: by position inside the window
     position_count: torch.Tensor               # (T,) float64
