@@ -89,6 +89,17 @@ def test_subprocess_missing_file(tmp_path, outputs, tokenizer_dir):
     assert proc.stdout == ""
 
 
+def test_subprocess_transformers_warnings_stay_off_stderr(tmp_path, checkpoint, text, outputs):
+    """A config whose special ids lie outside its vocabulary made transformers log two warnings while the
+    tokenizer was looked for, above fastppl's one error line (capsys does not see transformers' logger)."""
+    model = _copy_checkpoint(checkpoint, tmp_path / "ids-outside")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(dict(config, bos_token_id=50256, eos_token_id=50256)))
+    proc = _subprocess(["eval", "--model", str(model), "--data", str(text), "--device", "cpu", "--quiet",
+                        "--json", str(outputs[0])])
+    _assert_user_error(proc.returncode, proc.stderr, outputs, "holds no tokenizer vocabulary")
+
+
 def test_subprocess_truncated_checkpoint(tmp_path, checkpoint, text, outputs, tokenizer_dir):
     broken = _copy_checkpoint(checkpoint, tmp_path / "truncated")
     weights = broken / "model.safetensors"
@@ -250,6 +261,15 @@ def test_batching_with_kv_cache_on_is_an_error_not_ignored(text, outputs, tokeni
     args = _args("random:llama-tiny", text, outputs, tokenizer_dir, "--window", "sliding", "--kv-cache", "on",
                  "--batching", "packed")
     _assert_user_error(*_main(capsys, args), outputs, "--batching packed does not apply with --kv-cache on")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--tokenizer", ""], "--tokenizer is empty"),                 # was taken as no --tokenizer
+    (["--device", "cpu:5"], "the CPU takes no index"),             # torch reads it as the one CPU
+])
+def test_values_that_were_silently_read_as_others(args, fragment, text, outputs, capsys):
+    _assert_user_error(*_main(capsys, ["eval", "--model", TINY, "--data", str(text), "--quiet",
+                                       "--json", str(outputs[0]), "--device", "cpu", *args]), outputs, fragment)
 
 
 def test_model_path_is_a_file(text, outputs, tokenizer_dir, capsys):
@@ -706,6 +726,11 @@ def test_bench_sizes_below_their_minimum(extra, fragment, capsys):
 def test_bench_empty_peers_and_fused_loss_on_the_cpu(capsys):
     rc, err = _main(capsys, ["bench", "--model", TINY, "--device", "cpu", "--peers", ""])
     assert rc == 2 and "--peers is empty" in err and err.count("\n") == 1, err
+    for peers in ("fastppl,fastppl", "hf-bf16,,fastppl"):   # each ran (the empty one dropped) before
+        rc, err = _main(capsys, ["bench", "--model", TINY, "--device", "cpu", "--peers", peers])
+        assert rc == 2 and "has an empty or repeated name" in err and err.count("\n") == 1, err
+    rc, err = _main(capsys, ["bench", "--generate", "--model", TINY, "--device", "cpu", "--batch-sizes", "1,,2"])
+    assert rc == 2 and "--batch-sizes takes comma-separated integers" in err and err.count("\n") == 1, err
     rc, err = _main(capsys, ["bench", "--model", TINY, "--device", "cpu", "--tokens", "512", "--seq", "64",
                              "--peers", "fastppl", "--loss", "fused"])
     assert rc == 2 and "--loss fused needs a CUDA device" in err and err.count("\n") == 1, err

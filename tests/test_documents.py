@@ -228,6 +228,20 @@ def test_directory_documents_sorted_recursive_without_hidden(tmp_path):
         load_documents(str(empty))
 
 
+def test_directory_file_names_not_in_utf8_and_links_to_nothing(tmp_path):
+    import os
+    (tmp_path / "a.txt").write_text("first")
+    os.symlink(tmp_path / "gone.txt", tmp_path / "link.txt")
+    with pytest.raises(FastpplError, match="link.txt: a link to nothing"):   # was skipped in silence
+        load_documents(str(tmp_path))
+    (tmp_path / "link.txt").unlink()
+    with open(os.path.join(os.fsencode(tmp_path), b"b\xff.txt"), "w") as f:
+        f.write("second")
+    ids = [d.id for d in load_documents(str(tmp_path))]
+    assert ids == [str(tmp_path / "a.txt"), str(tmp_path) + "/b\\xff.txt"]
+    json.loads(json.dumps(ids, ensure_ascii=False).encode("utf-8"))   # no lone surrogate: valid UTF-8 JSON
+
+
 def test_parse_hf_source():
     assert parse_hf_source("hf:wikitext:wikitext-2-raw-v1:test") == ("wikitext", "wikitext-2-raw-v1", "test")
     assert parse_hf_source("hf:EleutherAI/lambada_openai:test") == ("EleutherAI/lambada_openai", None, "test")

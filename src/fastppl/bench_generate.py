@@ -208,11 +208,10 @@ def run_bench_generate(model_spec: str = "random:gpt2", batch_sizes: Sequence[in
         f"{new_tokens} new tokens, peers {','.join(peers)}")
 
     import transformers
-    from transformers.utils import logging as hf_logging
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()            # no generation-config chatter on stderr
+
+    from .quiet import quiet_transformers
     rows, ratios = [], []
-    try:
+    with quiet_transformers():            # no generation-config chatter on stderr
         for B in batch_sizes:
             if device.type == "cuda":
                 # each batch size compiles afresh: after one shape, Dynamo would otherwise recompile the next
@@ -228,8 +227,6 @@ def run_bench_generate(model_spec: str = "random:gpt2", batch_sizes: Sequence[in
             if "fastppl" in speed:
                 ratios.append(dict(batch_size=B, **{f"fastppl_over_{name.replace('-', '_')}": speed["fastppl"] / speed[name]
                                                     for name in speed if name != "fastppl"}))
-    finally:
-        hf_logging.set_verbosity(verbosity)
     return dict(
         benchmark="generate", model=model_spec, dtype=str(dtype).replace("torch.", ""), device=str(device),
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -281,7 +278,7 @@ def format_generate_table(report: dict) -> str:
 
 def _int_list(text: str, flag: str) -> list[int]:
     try:
-        return [int(part) for part in text.split(",") if part.strip()]
+        return [int(part) for part in text.split(",")]   # an empty entry ("1,,64") too is refused
     except ValueError:
         raise FastpplError(f"{flag} takes comma-separated integers, got {text!r}") from None
 

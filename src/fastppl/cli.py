@@ -102,16 +102,18 @@ def _add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", help="draw the loss by window position here (.png, .svg or .pdf; needs matplotlib)")
 
 
-def _check_model_given(model: str) -> None:
+def _check_model_given(model: str, tokenizer: Optional[str]) -> None:
     # else the tokenizer, loaded first from the model's name, would report these obscurely
     if not model.strip():
         raise FastpplError("--model is empty; give a checkpoint directory, a hub id or random:<preset>")
+    if tokenizer is not None and not tokenizer.strip():   # else it would read as no --tokenizer, silently
+        raise FastpplError("--tokenizer is empty; give a tokenizer directory or hub id, or leave it out")
     from .models.loading import check_random_preset
     check_random_preset(model)
 
 
 def _config_from_args(args: argparse.Namespace):
-    _check_model_given(args.model)
+    _check_model_given(args.model, args.tokenizer)
     if args.resume is not None and not args.resume.strip():   # else it would read as no --resume, silently
         raise FastpplError("--resume: empty path; give a directory for the checkpoint or leave --resume out")
     if args.resume is None and (args.checkpoint_seconds is not None or args.checkpoint_batches is not None):
@@ -236,6 +238,10 @@ def run_bench(args: argparse.Namespace) -> int:
     check_distinct_outputs({"--json": args.json})
     if args.peers is not None and not args.peers.strip(","):
         raise FastpplError("--peers is empty; name at least one peer, or leave --peers out for all of them")
+    if args.peers is not None:
+        names = args.peers.split(",")
+        if any(not name.strip() for name in names) or len(set(names)) < len(names):
+            raise FastpplError(f"--peers {args.peers!r} has an empty or repeated name; name each peer once")
     _check_bench_options(args)
     if args.generate:
         from .generate import DecodeOptions
@@ -323,7 +329,7 @@ def run_generate(args: argparse.Namespace) -> int:
         check_writable(args.json, "--json")
     from .generate import DecodeOptions
     DecodeOptions.from_env()   # a bad FASTPPL_DECODE fails now, not after the model is built
-    _check_model_given(args.model)
+    _check_model_given(args.model, args.tokenizer)
     sampling_only = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed))
                      if value is not None]
     if sampling_only and args.temperature == 0:

@@ -17,15 +17,22 @@ from .corpus import Document, decode_utf8, read_bytes
 HF_PREFIX = "hf:"
 
 
+def path_id(path: Path) -> str:
+    """A path as a document id that any JSON parser reads: a file name's bytes that are not UTF-8 (which Python
+    holds as lone surrogates, refused by strict parsers) are written as \\xNN escapes."""
+    return str(path).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def directory_documents(directory: Path, errors: str = "strict") -> list[Document]:
-    files = sorted(
-        (p for p in directory.rglob("*")
-         if p.is_file() and not any(part.startswith(".") for part in p.relative_to(directory).parts)),
-        key=lambda p: p.relative_to(directory).as_posix(),
-    )
+    visible = [p for p in directory.rglob("*")
+               if not any(part.startswith(".") for part in p.relative_to(directory).parts)]
+    broken = [p for p in visible if p.is_symlink() and not p.exists()]
+    if broken:   # not skipped in silence: a document the user meant to score would be missing
+        raise FastpplError(f"{path_id(broken[0])}: a link to nothing; remove it or point it at a file")
+    files = sorted((p for p in visible if p.is_file()), key=lambda p: p.relative_to(directory).as_posix())
     if not files:
         raise FastpplError(f"{directory}: holds no files; put one text file per document in it")
-    return [Document(id=str(p), text=decode_utf8(read_bytes(p), str(p), errors)) for p in files]
+    return [Document(id=path_id(p), text=decode_utf8(read_bytes(p), str(p), errors)) for p in files]
 
 
 def _split_outside_brackets(text: str) -> list[str]:

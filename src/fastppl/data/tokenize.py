@@ -170,8 +170,11 @@ def load_tokenizer(name_or_path: str, offline_hint: str = "") -> Tokenizer:
         if fast is not None:
             return fast
     from transformers import AutoTokenizer
+
+    from ..quiet import quiet_transformers
     try:
-        hf = AutoTokenizer.from_pretrained(str(directory), use_fast=True)
+        with quiet_transformers():   # e.g. a model config's warnings about its special ids, read on the way
+            hf = AutoTokenizer.from_pretrained(str(directory), use_fast=True)
     except Exception as e:  # transformers raises many types for missing/offline/corrupt tokenizers
         raise FastpplError(
             f"cannot load tokenizer {name_or_path!r} ({first_line(e)}); "

@@ -17,6 +17,8 @@ def resolve_device(name: str) -> torch.device:
         raise FastpplError(f"unknown --device {name!r}; use auto, cpu, cuda or cuda:N") from None
     if device.type not in ("cpu", "cuda"):   # mps, xpu, meta: torch knows them, fastppl was never run on them
         raise FastpplError(f"--device {name}: not supported; use auto, cpu, cuda or cuda:N")
+    if device.type == "cpu" and device.index is not None:   # torch takes cpu:5 as the one CPU device
+        raise FastpplError(f"--device {name}: the CPU takes no index; use --device cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise FastpplError("--device cuda, but no CUDA GPU is visible; use --device cpu")
     return device

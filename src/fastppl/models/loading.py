@@ -152,24 +152,18 @@ def _weight_files(directory: Path, single: str, pattern: str) -> list[Path]:
 
 def _load_hf(directory: Path, dtype: torch.dtype) -> HFCausalLM:
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
 
+    from ..quiet import quiet_transformers
     # quiet: no progress bar or load report on stderr; problems with the weights are raised below
-    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
     try:
-        hf_model, loading_info = AutoModelForCausalLM.from_pretrained(
-            str(directory), dtype=dtype, output_loading_info=True)
+        with quiet_transformers():
+            hf_model, loading_info = AutoModelForCausalLM.from_pretrained(
+                str(directory), dtype=dtype, output_loading_info=True)
     except Exception as e:
         raise FastpplError(
             f"{directory}: transformers cannot load it ({first_line(e)}); the checkpoint is corrupt or of an "
             "unsupported architecture"
         ) from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
     # transformers fills weights missing from the checkpoint with random values and only warns
     missing = sorted(loading_info["missing_keys"])
     if missing:
