@@ -157,3 +157,13 @@ def test_eval_reports_whose_products_ran(tmp_path, tokenizer_dir):
 def test_bench_docs_refuses_tune_products(capsys):
     assert main(["bench", "--corpus", "docs", "--tune-products", "on"]) == 2
     assert "--tune-products" in capsys.readouterr().err
+
+
+def test_one_pass_candidates_leave_out_split_k_and_its_reductions():
+    """Split-K sums a dot product in pieces, in another order than torch's one-pass kernel: never considered."""
+    plan = cublaslt.LinearPlan.__new__(cublaslt.LinearPlan)   # no cuBLASLt: only the filter is under test
+    configs = [{"split_k": 1, "reduction": 0}, {"split_k": 4, "reduction": 1}, {}, {"split_k": 1, "reduction": 2},
+               {"split_k": 2, "reduction": 0}]
+    plan.candidates = [object()] * len(configs)
+    plan.describe = lambda index: configs[index]
+    assert plan.one_pass_candidates() == [0, 2]
