@@ -230,12 +230,16 @@ def test_unknown_model(model, fragment, text, outputs, tokenizer_dir, capsys):
 
 
 @pytest.mark.parametrize("command", ["eval", "generate"])
-def test_unknown_random_preset_without_tokenizer(command, text, outputs, capsys):
-    # the tokenizer is found from the model's name: without this check it reported a hub failure for 'gpt2'
+@pytest.mark.parametrize("model, fragment", [
+    ("random:nope", "unknown model random:nope; use one of random:gpt2"),   # was a hub failure for 'gpt2'
+    ("./typo-dir", "./typo-dir: no such model directory; check --model"),  # was "no such tokenizer directory"
+])
+def test_a_bad_model_without_tokenizer_is_reported_as_the_model(command, model, fragment, text, outputs, capsys):
+    # the tokenizer is found from the model's name, and was looked for first
     args = (["eval", "--data", str(text), "--json", str(outputs[0]), "--quiet"] if command == "eval"
             else ["generate", "--prompt", "Hello"])
-    args += ["--model", "random:nope", "--device", "cpu"]
-    _assert_user_error(*_main(capsys, args), outputs, "unknown model random:nope; use one of random:gpt2")
+    args += ["--model", model, "--device", "cpu"]
+    _assert_user_error(*_main(capsys, args), outputs, fragment)
 
 
 def test_a_model_with_a_nan_weight_is_an_error_with_no_output(monkeypatch, text, outputs, tokenizer_dir, capsys):

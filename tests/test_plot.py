@@ -101,12 +101,19 @@ def test_plot_title_names_the_run():
     assert run_title(result) == "tiny-gpt2 · tinyshakespeare.txt (val) · sliding ctx 1024 stride 512 · bfloat16"
 
 
+def _empty_model_dir(tmp_path):
+    """A model directory with no checkpoint in it: loading it would fail, after the output checks."""
+    directory = tmp_path / "model-without-weights"
+    directory.mkdir(exist_ok=True)
+    return directory
+
+
 @needs_matplotlib
 @pytest.mark.parametrize("bad, message", [
     ("out.jpg", "ending in .png"), ("missing-dir/out.png", "does not exist"),
 ])
 def test_bad_plot_path_fails_before_the_work(tmp_path, capsys, bad, message):
-    rc = main(["eval", "--model", str(tmp_path / "no-such-model-dir"), "--data", "nowhere.txt", "--plot", str(tmp_path / bad)])
+    rc = main(["eval", "--model", str(_empty_model_dir(tmp_path)), "--data", "nowhere.txt", "--plot", str(tmp_path / bad)])
     assert rc == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
@@ -117,7 +124,7 @@ def test_without_matplotlib_plot_is_a_clean_error(tmp_path, capsys, monkeypatch)
         monkeypatch.setitem(sys.modules, name, None)   # None in sys.modules makes the import raise ImportError
     out, plot = tmp_path / "r.json", tmp_path / "p.png"
     # a model that would fail to load shows that the check comes before any work
-    rc = main(["eval", "--model", str(tmp_path / "no-such-model-dir"), "--data", "nowhere.txt", "--json", str(out),
+    rc = main(["eval", "--model", str(_empty_model_dir(tmp_path)), "--data", "nowhere.txt", "--json", str(out),
                "--plot", str(plot)])
     assert rc == 2
     err = capsys.readouterr().err.strip()

@@ -71,6 +71,11 @@ def native_to_hf(native: nn.Module) -> nn.Module:
     return hf_model
 
 
+def is_path_like(spec: str) -> bool:
+    """A path, not a hub id ("name" or "org/name"): it starts like one, or has more than one "/"."""
+    return spec.startswith((".", "/", "~")) or spec.count("/") > 1
+
+
 def resolve_checkpoint_dir(spec: str) -> Path:
     """A local directory as is; otherwise a hub id, downloaded (or taken from the HF cache)."""
     path = Path(spec).expanduser()
@@ -78,7 +83,7 @@ def resolve_checkpoint_dir(spec: str) -> Path:
         return path
     if path.exists():
         raise FastpplError(f"{spec}: is a file; --model takes a checkpoint directory (config.json + weights)")
-    if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+    if is_path_like(spec):
         raise FastpplError(f"{spec}: no such model directory; check --model")
     try:
         from huggingface_hub import snapshot_download
