@@ -158,7 +158,8 @@ def test_a_rope_config_missing_its_keys_is_a_corrupt_checkpoint_not_defaults(tmp
 def test_unsupported_rope_falls_back_to_transformers(tmp_path):
     hf = _tiny_hf("llama", rope_scaling=dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=64))
     hf.save_pretrained(tmp_path)
-    assert isinstance(load_model(str(tmp_path)), HFCausalLM)
+    model = load_model(str(tmp_path))
+    assert isinstance(model, HFCausalLM) and model.why.startswith("auto: the native model does not implement RoPE")
     with pytest.raises(FastpplError, match="yarn"):
         load_model(str(tmp_path), backend="native")
 

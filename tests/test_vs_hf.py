@@ -224,3 +224,4 @@ def test_backend_hf_gives_the_native_result(hf_checkpoints, tokenizer_dir, short
     assert via_hf["nll_sum"] == pytest.approx(native["nll_sum"], rel=FP32_RTOL)
     np.testing.assert_allclose(hf_tokens, native_tokens, rtol=FP32_RTOL)
     assert json.loads(json.dumps(via_hf["config"]))["backend"] == "hf"
+    assert via_hf["backend"] == "transformers (--backend hf)" and native["backend"] == "native"   # what ran

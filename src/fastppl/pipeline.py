@@ -37,6 +37,7 @@ from .engine.score import DeviceSums, make_score_fn, score_batches, score_plans
 from .errors import FastpplError
 from .metrics import lm_eval_word_count, per_unit_metrics, perplexity
 from .models import load_model
+from .models.hf_backend import HFCausalLM
 from .models.attention import document_attention_backend, varlen_available, varlen_failure
 from .models.gpt2 import GPT2
 from .models.llama import Llama
@@ -382,6 +383,8 @@ def evaluate(config: EvalConfig) -> dict:
         "stride": sliding_stride(config.stride, ctx) if config.window == "sliding" else None,
         "window": config.window,
         "dtype": str(dtype).replace("torch.", ""),
+        # native, or transformers and why (asked for, or what the native model lacks)
+        "backend": f"transformers ({model.why})" if isinstance(model, HFCausalLM) else "native",
         "compile": compile_reason,
         "mlp_epilogue": mlp_epilogue,
         "residual_norms": residual_norms,

@@ -205,7 +205,8 @@ def summary(result: dict) -> str:
     window = f"{result['window']} ctx={result['ctx']}" + (
         f" stride={result['stride']}" if result["stride"] else "")
     lines = [
-        f"model       {cfg['model']}  ({result['dtype']}, {result['environment']['device_name']})",
+        f"model       {cfg['model']}  ({result['dtype']}, {result['environment']['device_name']}"
+        + (f"; {result['backend']}" if result.get("backend", "native") != "native" else "") + ")",
         f"data        {', '.join(cfg['data'])}  split={cfg['split']}  {result['documents']} document(s)"
         + (f" ({result['documents_skipped']} skipped: no token to score)" if result.get("documents_skipped") else ""),
         f"windows     {window}  {result['windows']:,} windows",

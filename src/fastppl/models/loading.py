@@ -155,7 +155,7 @@ def _weight_files(directory: Path, single: str, pattern: str) -> list[Path]:
     return sorted(directory.glob(pattern))
 
 
-def _load_hf(directory: Path, dtype: torch.dtype) -> HFCausalLM:
+def _load_hf(directory: Path, dtype: torch.dtype, why: str) -> HFCausalLM:
     from transformers import AutoModelForCausalLM
 
     from ..quiet import quiet_transformers
@@ -176,7 +176,7 @@ def _load_hf(directory: Path, dtype: torch.dtype) -> HFCausalLM:
             f"{directory}: checkpoint lacks {len(missing)} weights (first: {missing[0]}); the file is "
             "incomplete or does not match config.json"
         )
-    return HFCausalLM(hf_model)
+    return HFCausalLM(hf_model, why)
 
 
 class NoNativeModel(FastpplError):
@@ -193,7 +193,7 @@ def load_model(spec: str, backend: str = "auto", dtype: torch.dtype = torch.floa
     drawn on `device`; checkpoints are read on the CPU (the caller moves the model)."""
     if spec.startswith(RANDOM_PREFIX):
         native = random_native(spec[len(RANDOM_PREFIX):], seed, device if backend != "hf" else "cpu")
-        model: nn.Module = HFCausalLM(native_to_hf(native)) if backend == "hf" else native
+        model: nn.Module = HFCausalLM(native_to_hf(native), "--backend hf") if backend == "hf" else native
         return model.to(dtype).eval()
 
     directory = resolve_checkpoint_dir(spec)
@@ -209,7 +209,10 @@ def load_model(spec: str, backend: str = "auto", dtype: torch.dtype = torch.floa
         reason = f"the native GPT-2 does not implement {', '.join(gaps)}"
         raise NoNativeModel(f"{spec}: {reason}; use --backend hf", reason)
     if backend == "hf" or model_type not in NATIVE_MODEL_TYPES or unsupported or gaps:
-        return _load_hf(directory, dtype).eval()
+        why = ("--backend hf" if backend == "hf" else
+               f"auto: model_type {model_type!r} has no native implementation" if model_type not in NATIVE_MODEL_TYPES
+               else f"auto: the native model does not implement {unsupported or ', '.join(gaps)}")
+        return _load_hf(directory, dtype, why).eval()
     if model_type in LLAMA_MODEL_TYPES:
         return _load_native(directory, hf_config, llama_config_from_hf, Llama, load_hf_llama_state_dict, dtype)
     return _load_native(directory, hf_config, gpt2_config_from_hf, GPT2, load_hf_gpt2_state_dict, dtype)
