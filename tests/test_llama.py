@@ -79,11 +79,19 @@ def test_checkpoint_dir_loads_natively_and_matches_transformers(case, tmp_path):
     _assert_matches_hf(model, hf)
 
 
-def test_mistral_context_capped_at_its_sliding_window(tmp_path):
+def test_mistral_context_capped_at_its_sliding_window(tmp_path, tokenizer_dir, capsys):
     # full attention equals sliding-window attention only on windows no longer than the window
-    hf = _tiny_hf("mistral", sliding_window=48)
-    hf.save_pretrained(tmp_path)
-    assert load_model(str(tmp_path)).max_positions == 48
+    hf = _tiny_hf("mistral", sliding_window=48, vocab_size=50257)   # the GPT-2 tokenizer's, for the CLI below
+    hf.save_pretrained(tmp_path / "model")
+    capsys.readouterr()
+    assert load_model(str(tmp_path / "model")).max_positions == 48
+    # a --ctx beyond it says why the limit is below the checkpoint's 128 positions, and what goes further
+    (tmp_path / "t.txt").write_text("To be, or not to be, that is the question. " * 20)
+    from fastppl.cli import main
+    assert main(["eval", "--model", str(tmp_path / "model"), "--tokenizer", str(tokenizer_dir), "--device", "cpu",
+                 "--data", str(tmp_path / "t.txt"), "--ctx", "64", "--quiet"]) == 2
+    error = capsys.readouterr().err
+    assert "maximum of 48 positions (the checkpoint's sliding attention window" in error and "--backend hf" in error
 
 
 def test_random_llama_tiny_matches_its_transformers_twin():

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from .errors import FastpplError
 from .models.attention import MASKED_ATTENTION
 from .models.kv_cache import CacheStep, ensure_kv_cache, supports_kv_cache
+from .models.loading import position_limit_note
 
 CACHE_LEN_MULTIPLE = 64   # cache lengths rounded up to this, so that nearby lengths share a compiled graph
 LOGITS_ALIGN = 64         # aligned_logits: the vocabulary product's width rounded up to this
@@ -331,7 +332,7 @@ def generate(
     P = max(len(p) for p in prompts)
     if P + max_new_tokens - 1 > model.max_positions:
         raise FastpplError(f"the longest prompt ({P} tokens) + --max-new-tokens {max_new_tokens} exceed the "
-                           f"model's {model.max_positions} positions; shorten them")
+                           f"model's {model.max_positions} positions{position_limit_note(model)}; shorten them")
     cache_len = min(-(-(P + max_new_tokens) // CACHE_LEN_MULTIPLE) * CACHE_LEN_MULTIPLE, model.max_positions)
     B = len(prompts)
     no_eos = -1

@@ -37,6 +37,7 @@ from .engine.score import DeviceSums, make_score_fn, score_batches, score_plans
 from .errors import FastpplError
 from .metrics import lm_eval_word_count, per_unit_metrics, perplexity
 from .models import load_model
+from .models.loading import position_limit_note
 from .models.hf_backend import HFCausalLM
 from .models.attention import document_attention_backend, varlen_available, varlen_failure
 from .models.gpt2 import GPT2
@@ -158,7 +159,8 @@ def evaluate(config: EvalConfig) -> dict:
         )
     ctx = config.ctx or model.max_positions
     if ctx > model.max_positions:
-        raise FastpplError(f"--ctx {ctx} exceeds the model's maximum of {model.max_positions} positions; lower --ctx")
+        raise FastpplError(f"--ctx {ctx} exceeds the model's maximum of {model.max_positions} positions"
+                           f"{position_limit_note(model)}; lower --ctx")
     stride = config.stride
     if config.window == "sliding" and stride is not None and not 1 <= stride <= ctx:
         raise FastpplError(f"--stride must be between 1 and --ctx ({ctx}), got {stride}")

@@ -214,8 +214,9 @@ def llama_config_from_hf(hf_config: dict) -> LlamaConfig:
     # sliding-window attention equals full causal attention on windows no longer than the window,
     # so capping the context at it keeps the native (full-attention) model exact
     uses_window = model_type == "mistral" or hf_config.get("use_sliding_window", False)
-    if uses_window and hf_config.get("sliding_window"):
-        max_positions = min(max_positions, hf_config["sliding_window"])
+    attention_window = hf_config.get("sliding_window") if uses_window else None
+    if attention_window:
+        max_positions = min(max_positions, attention_window)
     if model_type == "qwen2":
         qkv_bias, o_bias = True, False                      # Qwen2 always biases q, k, v (not o)
     else:
@@ -240,6 +241,7 @@ def llama_config_from_hf(hf_config: dict) -> LlamaConfig:
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=bool(hf_config.get("mlp_bias", False)),
+        attention_window=attention_window or None,
     )
 
 

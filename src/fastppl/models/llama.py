@@ -45,6 +45,8 @@ class LlamaConfig:
     qkv_bias: bool = False                # Qwen2 (and Llama's attention_bias)
     o_bias: bool = False                  # Llama's attention_bias
     mlp_bias: bool = False
+    attention_window: Optional[int] = None   # Mistral/Qwen2 sliding attention: caps max_positions (full causal
+                                             # attention equals it only on windows no longer than this)
 
     def __post_init__(self) -> None:
         assert min(self.vocab_size, self.max_positions, self.hidden_size, self.intermediate_size, self.n_layer,

@@ -71,6 +71,15 @@ def native_to_hf(native: nn.Module) -> nn.Module:
     return hf_model
 
 
+def position_limit_note(model: nn.Module) -> str:
+    """Why a native model's position limit is lower than its checkpoint's, for an error about it, or ""."""
+    window = getattr(getattr(model, "config", None), "attention_window", None)
+    if isinstance(model, Llama) and window and model.max_positions == window:
+        return (f" (the checkpoint's sliding attention window: the native model attends to whole windows, which "
+                f"is the checkpoint's attention only up to {window} positions; --backend hf goes further)")
+    return ""
+
+
 def is_path_like(spec: str) -> bool:
     """A path, not a hub id ("name" or "org/name"): it starts like one, or has more than one "/"."""
     return spec.startswith((".", "/", "~")) or spec.count("/") > 1
