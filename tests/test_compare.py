@@ -298,6 +298,12 @@ def test_comparison_figures(tmp_path, capsys):
     assert main(["compare", "--per-doc", docs_a, "--plot", str(tmp_path / "docs.png")]) == 0
     assert png_size(tmp_path / "docs.png") == (800, 450)
 
+    one_doc = [dict(DOCS_A[0])]   # a histogram of one document per run says nothing: the loss by position only
+    single_a, single_b = write(tmp_path / "sa.json", result_of(one_doc)), write(tmp_path / "sb.json", result_of(one_doc))
+    docs_single = write_docs(tmp_path / "single.jsonl", one_doc)
+    assert main(["compare", single_a, single_b, "--per-doc", docs_single, docs_single, "--plot", str(plot)]) == 0
+    assert png_size(plot) == (800, 450)
+
     old = write(tmp_path / "old.json", {k: v for k, v in result_of(DOCS_A).items() if not k.startswith("nll_by")})
     assert main(["compare", a, old, "--plot", str(tmp_path / "x.png")]) == 2
     assert "has no nll_by_position" in one_line_error(capsys) and not (tmp_path / "x.png").exists()

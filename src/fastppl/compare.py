@@ -368,6 +368,8 @@ def compare(run_paths: Sequence[str], per_doc_paths: Sequence[str] = (), plot: O
 
     if plot:
         per_doc_nll = [[d.nll for d in scored_documents(docs, min_doc_tokens)] for docs in doc_sets]
+        if runs and all(len(nll) <= 1 for nll in per_doc_nll):   # a histogram of one value each says nothing
+            per_doc_nll = []
         figure = comparison_figure([r.result for r in runs], [r.label for r in runs],
                                    per_doc_nll or None, doc_labels)
         save_figure(figure, plot)

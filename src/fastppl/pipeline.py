@@ -118,7 +118,7 @@ def _environment(device: torch.device) -> dict:
         env["device_name"] = torch.cuda.get_device_name(device)
         env["cuda"] = torch.version.cuda
     else:
-        env["device_name"] = platform.processor() or platform.machine()
+        env["device_name"] = f"cpu ({platform.processor() or platform.machine()})"   # not a bare "x86_64"
     return env
 
 
