@@ -93,8 +93,12 @@ def test_compare_table_shows_the_differences(tmp_path, capsys):
 
     assert main(["compare", a, b, "--markdown"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("| run | model | corpus | tokens | NLL | ΔNLL |") and lines[1].startswith("| --- |")
-    assert lines[3].startswith("| bf16 |") and "| +0.100000 |" in lines[3]
+    assert lines[0].startswith("| run | model | corpus | window | tokens | NLL | ΔNLL |") and lines[1].startswith("| --- |")
+    assert lines[3].startswith("| bf16 |") and "| +0.100000 |" in lines[3] and "| chunked 4 |" in lines[3]
+    sliding = write(tmp_path / "sliding.json", dict(make_result(), window="sliding", stride=2,
+                                                    config=dict(make_result()["config"], bos=True)))
+    assert main(["compare", a, sliding, "--markdown", "--force"]) == 0
+    assert "| sliding 4/2 bos |" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("change, reason", [

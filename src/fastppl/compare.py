@@ -187,17 +187,24 @@ def _number(x, spec: str) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def window_label(result: dict) -> str:
+    """"chunked 1024" or "sliding 1024/512 bos": what tells runs of one model and corpus apart."""
+    window, ctx, stride = result.get("window", "?"), result.get("ctx", "?"), result.get("stride")
+    bos = " bos" if window == "sliding" and result.get("config", {}).get("bos") else ""
+    return f"{window} {ctx}" + (f"/{stride}" if stride else "") + bos
+
+
 def runs_table(runs: Sequence[Run], markdown: bool = False) -> str:
-    headers = ["run", "model", "corpus", "tokens", "NLL", "ΔNLL", "PPL", "ΔPPL", "bits/byte", "Δbits/byte",
-               "tokens/s", "speed", "device", "dtype"]
-    right = [False, False, False, True, True, True, True, True, True, True, True, True, False, False]
+    headers = ["run", "model", "corpus", "window", "tokens", "NLL", "ΔNLL", "PPL", "ΔPPL", "bits/byte",
+               "Δbits/byte", "tokens/s", "speed", "device", "dtype"]
+    right = [False, False, False, False, True, True, True, True, True, True, True, True, True, False, False]
     rows = []
     first = runs[0].result
     for i, run in enumerate(runs):
         r = run.result
         d = differences(first, r) if i else None
         rows.append([
-            run.label, model_label(r["config"].get("model", "?")), corpus_label(r),
+            run.label, model_label(r["config"].get("model", "?")), corpus_label(r), window_label(r),
             _number(r["tokens_scored"], ","), _number(r["nll"], ".6f"),
             _number(d["nll"], "+.6f") if d else "", _number(r["ppl"], ".4f"),
             _number(d["ppl_relative"], "+.3%") if d else "", _number(r.get("bits_per_byte"), ".6f"),
