@@ -253,6 +253,12 @@ def test_a_per_doc_file_must_be_its_runs(tmp_path, capsys):
     assert main(["compare", a, b, "--per-doc", docs_a, docs_b]) == 0       # each its own
 
 
+def test_a_per_doc_file_given_as_a_report_says_so(tmp_path, capsys):
+    docs = write_docs(tmp_path / "a.jsonl", DOCS_A)
+    assert main(["compare", docs]) == 2
+    assert "a per-document file? pass it after --per-doc" in one_line_error(capsys)
+
+
 def test_per_doc_path_from_the_report(tmp_path, capsys):
     write_docs(tmp_path / "a-docs.jsonl", DOCS_A)
     run = write(tmp_path / "a.json", result_of(DOCS_A, per_doc_path="a-docs.jsonl"))   # relative to the report

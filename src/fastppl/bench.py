@@ -224,7 +224,7 @@ def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_le
     results: list[BenchRow] = []
 
     ceiling = matmul_ceiling(device)
-    log(f"matmul ceiling: {ceiling / 1e12:.1f} TFLOP/s ({'bf16 8192^3' if on_cuda else 'fp32 512^3'})")
+    log(f"matmul ceiling: {ceiling / 1e12:.3g} TFLOP/s ({'bf16 8192^3' if on_cuda else 'fp32 512^3'})")
 
     def record(row: BenchRow) -> None:
         results.append(row)

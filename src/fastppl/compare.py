@@ -68,8 +68,10 @@ def load_run(path: str, label: Optional[str] = None) -> Run:
     try:
         result = json.loads(text)
     except json.JSONDecodeError as e:
-        raise FastpplError(
-            f"{path}: not valid JSON ({e.msg} at line {e.lineno}); pass a fastppl eval --json report") from None
+        # one object per line: a per-document file given where reports go
+        per_doc = " (one per line: a per-document file? pass it after --per-doc)" if e.msg == "Extra data" else ""
+        raise FastpplError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}){per_doc}; "
+                           "pass a fastppl eval --json report") from None
     if not isinstance(result, dict):
         raise FastpplError(f"{path}: not a fastppl eval report (a JSON object is expected)")
     missing = [f for f in REQUIRED_RUN_FIELDS if f not in result]
