@@ -164,6 +164,17 @@ def evaluate(config: EvalConfig) -> dict:
     stride = config.stride
     if config.window == "sliding" and stride is not None and not 1 <= stride <= ctx:
         raise FastpplError(f"--stride must be between 1 and --ctx ({ctx}), got {stride}")
+    # refused before any work: after the batch-size probe, these came seconds late on a GPU
+    use_kv_cache, kv_cache_reason = choose_kv_cache(config.kv_cache, config.window, model)
+    if dist and (use_kv_cache or config.resume):
+        flag = "--resume" if config.resume else "--kv-cache on"
+        raise FastpplError(f"{flag} runs in one process only; drop it or run without --nproc / torchrun")
+    if use_kv_cache and config.batching != "auto":   # it would be ignored: the cached path makes its own rows
+        raise FastpplError(f"--batching {config.batching} does not apply with --kv-cache on, which scores a row per "
+                           "document; drop one of them")
+    if use_kv_cache and config.resume:
+        # the cached path scores documents row by row, not in the planned batches that checkpoints count
+        raise FastpplError("--resume does not work with --kv-cache on; drop one of them")
     documents = [d if d.token_ids is None else with_decoded_text(d, tokenizer, model.vocab_size) for d in documents]
     tokens = [encode_cached(tokenizer, d.text) if d.token_ids is None else d.token_ids for d in documents]
     timings["tokenize"] = time.perf_counter() - mark
@@ -251,16 +262,6 @@ def evaluate(config: EvalConfig) -> dict:
         allow_shapes(len({(p.n_rows, p.seq_len) for p in plans}))
     # each rank scores its share of the batches; the batches are those of one process
     plans_here = shard_plans(plans, dist.rank, dist.world_size) if dist else plans
-    use_kv_cache, kv_cache_reason = choose_kv_cache(config.kv_cache, config.window, model)
-    if dist and (use_kv_cache or config.resume):
-        flag = "--resume" if config.resume else "--kv-cache on"
-        raise FastpplError(f"{flag} runs in one process only; drop it or run without --nproc / torchrun")
-    if use_kv_cache and config.batching != "auto":   # it would be ignored: the cached path makes its own rows
-        raise FastpplError(f"--batching {config.batching} does not apply with --kv-cache on, which scores a row per "
-                           "document; drop one of them")
-    if use_kv_cache and config.resume:
-        # the cached path scores documents row by row, not in the planned batches that checkpoints count
-        raise FastpplError("--resume does not work with --kv-cache on; drop one of them")
 
     sums = DeviceSums.zeros(ctx, device, n_tokens if config.per_token else None, len(documents))
     checkpointer, start_batch = None, 0
