@@ -310,6 +310,20 @@ def test_checkpoint_missing_a_weight(tmp_path, checkpoint, text, outputs, tokeni
                        "transformer.h.1.mlp.c_fc.weight")
 
 
+@pytest.mark.parametrize("backend, fragment", [("auto", "config.json implies"),
+                                               ("hf", "holds weights of other shapes than its config.json implies")])
+def test_checkpoint_with_a_weight_of_another_shape(tmp_path, checkpoint, text, outputs, tokenizer_dir, capsys,
+                                                   backend, fragment):
+    """transformers' own message pointed at a report above it that is not shown."""
+    from safetensors.torch import load_file, save_file
+    broken = _copy_checkpoint(checkpoint, tmp_path / "reshaped")
+    state = load_file(broken / "model.safetensors")
+    state["transformer.h.1.mlp.c_fc.weight"] = state["transformer.h.1.mlp.c_fc.weight"][:, :8].clone()
+    save_file(state, broken / "model.safetensors")
+    _assert_user_error(*_main(capsys, _args(broken, text, outputs, tokenizer_dir, "--backend", backend)), outputs,
+                       fragment)
+
+
 def test_corrupt_config_and_missing_weights(tmp_path, checkpoint, text, outputs, tokenizer_dir, capsys):
     broken = _copy_checkpoint(checkpoint, tmp_path / "bad-config")
     (broken / "config.json").write_text("{not json")

@@ -174,6 +174,9 @@ def _load_hf(directory: Path, dtype: torch.dtype, why: str) -> HFCausalLM:
             hf_model, loading_info = AutoModelForCausalLM.from_pretrained(
                 str(directory), dtype=dtype, output_loading_info=True)
     except Exception as e:
+        if "ignore_mismatched_sizes" in str(e):   # its own text points at a report that is not shown
+            raise FastpplError(f"{directory}: holds weights of other shapes than its config.json implies; the "
+                               "checkpoint does not match its config") from None
         raise FastpplError(
             f"{directory}: transformers cannot load it ({first_line(e)}); the checkpoint is corrupt or of an "
             "unsupported architecture"
