@@ -108,7 +108,8 @@ def _check_model_given(model: str, tokenizer: Optional[str]) -> None:
         raise FastpplError("--model is empty; give a checkpoint directory, a hub id or random:<preset>")
     if tokenizer is not None and not tokenizer.strip():   # else it would read as no --tokenizer, silently
         raise FastpplError("--tokenizer is empty; give a tokenizer directory or hub id, or leave it out")
-    from .models.loading import check_random_preset, is_path_like
+    from .config import is_path_like
+    from .models.loading import check_random_preset
     check_random_preset(model)
     if is_path_like(model) and not Path(model).expanduser().exists():
         raise FastpplError(f"{model}: no such model directory; check --model")

@@ -14,6 +14,12 @@ BACKENDS = ("auto", "native", "hf")
 BATCHING_SETTINGS = ("auto", "packed", "bucketed", "padded")
 
 
+def is_path_like(spec: str) -> bool:
+    """A --model or --tokenizer that names a path, not a hub id ("name" or "org/name"): it starts like one, or
+    has more than one "/"."""
+    return spec.startswith((".", "/", "~")) or spec.count("/") > 1
+
+
 def cache_dir() -> Path:
     """Where downloads, token ids and compiled artefacts are kept (FASTPPL_CACHE_DIR overrides)."""
     root = os.environ.get("FASTPPL_CACHE_DIR")

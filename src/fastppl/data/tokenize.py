@@ -10,7 +10,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..config import cache_dir
+from ..config import cache_dir, is_path_like
 from ..errors import FastpplError, first_line
 
 
@@ -145,12 +145,10 @@ def _hub_tokenizer_dir(repo_id: str) -> tuple[Optional[Path], str]:
 
 def load_tokenizer(name_or_path: str, offline_hint: str = "") -> Tokenizer:
     directory = Path(name_or_path).expanduser()
-    # a path, not a hub id ("name" or "org/name"): it starts like one, or has more than one "/"
-    path_like = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
     if directory.is_file():
         raise FastpplError(f"{name_or_path}: is a file; --tokenizer takes a tokenizer directory (tokenizer.json, "
                            "or vocab.json + merges.txt)")
-    if path_like and not directory.exists():
+    if is_path_like(name_or_path) and not directory.exists():
         raise FastpplError(f"{name_or_path}: no such tokenizer directory; check --tokenizer")
     if not directory.exists():
         hub_directory, reason = _hub_tokenizer_dir(name_or_path)

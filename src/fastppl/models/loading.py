@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from ..config import is_path_like
 from ..errors import FastpplError, first_line
 from .gpt2 import GPT2, PRESETS
 from .hf_backend import HFCausalLM
@@ -78,11 +79,6 @@ def position_limit_note(model: nn.Module) -> str:
         return (f" (the checkpoint's sliding attention window: the native model attends to whole windows, which "
                 f"is the checkpoint's attention only up to {window} positions; --backend hf goes further)")
     return ""
-
-
-def is_path_like(spec: str) -> bool:
-    """A path, not a hub id ("name" or "org/name"): it starts like one, or has more than one "/"."""
-    return spec.startswith((".", "/", "~")) or spec.count("/") > 1
 
 
 def resolve_checkpoint_dir(spec: str) -> Path:
