@@ -240,6 +240,8 @@ def test_directory_file_names_not_in_utf8_and_links_to_nothing(tmp_path):
     ids = [d.id for d in load_documents(str(tmp_path))]
     assert ids == [str(tmp_path / "a.txt"), str(tmp_path) + "/b\\xff.txt"]
     json.loads(json.dumps(ids, ensure_ascii=False).encode("utf-8"))   # no lone surrogate: valid UTF-8 JSON
+    single = os.fsdecode(os.path.join(os.fsencode(tmp_path), b"b\xff.txt"))   # the file given on its own
+    assert [d.id for d in load_documents(single)] == [ids[1]]
 
 
 def test_parse_hf_source():

@@ -28,6 +28,12 @@ class Document:
     token_ids: Optional[np.ndarray] = field(default=None, compare=False, repr=False)
 
 
+def path_id(path: Path) -> str:
+    """A path as a document id that any JSON parser reads: a file name's bytes that are not UTF-8 (which Python
+    holds as lone surrogates, refused by strict parsers) are written as \\xNN escapes."""
+    return str(path).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def corpus_sha256(documents) -> str:
     """sha256 of what the documents hold, in order (texts, or the ids of pre-tokenised ones), not of their ids or
     paths: the same text reached by another path or as the built-in corpus gives the same value, so that
@@ -152,7 +158,7 @@ def _jsonl_documents(raw_text: str, path: Path, text_field: str) -> list[Documen
             )
         if not isinstance(record[text_field], str):
             raise FastpplError(f"{path}:{line_number}: field {text_field!r} is not a string; pick the text field with --text-field")
-        documents.append(Document(id=f"{path}:{line_number}", text=record[text_field]))
+        documents.append(Document(id=f"{path_id(path)}:{line_number}", text=record[text_field]))
     return documents
 
 
@@ -175,7 +181,7 @@ def token_id_document(path: Path) -> Document:
                            "tokenizer")
     if ids.max() > np.iinfo(np.int64).max:   # uint64 beyond int64 would wrap to negative ids
         raise FastpplError(f"{path}: holds a token id ({ids.max()}) too large for any vocabulary")
-    return Document(id=str(path), text="", token_ids=ids.astype(np.int64))
+    return Document(id=path_id(path), text="", token_ids=ids.astype(np.int64))
 
 
 def load_documents(
@@ -213,4 +219,4 @@ def load_documents(
         if not documents:
             raise FastpplError(f"{path}: holds no documents")
         return documents
-    return [Document(id=str(path), text=split_text(text, split))]
+    return [Document(id=path_id(path), text=split_text(text, split))]

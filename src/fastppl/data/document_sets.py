@@ -12,15 +12,9 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import FastpplError, first_line
-from .corpus import Document, decode_utf8, read_bytes
+from .corpus import Document, decode_utf8, path_id, read_bytes
 
 HF_PREFIX = "hf:"
-
-
-def path_id(path: Path) -> str:
-    """A path as a document id that any JSON parser reads: a file name's bytes that are not UTF-8 (which Python
-    holds as lone surrogates, refused by strict parsers) are written as \\xNN escapes."""
-    return str(path).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def directory_documents(directory: Path, errors: str = "strict") -> list[Document]:
