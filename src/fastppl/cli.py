@@ -108,11 +108,9 @@ def _check_model_given(model: str, tokenizer: Optional[str]) -> None:
         raise FastpplError("--model is empty; give a checkpoint directory, a hub id or random:<preset>")
     if tokenizer is not None and not tokenizer.strip():   # else it would read as no --tokenizer, silently
         raise FastpplError("--tokenizer is empty; give a tokenizer directory or hub id, or leave it out")
-    from .config import is_path_like
-    from .models.loading import check_random_preset
+    from .models.loading import check_random_preset, local_checkpoint_dir
     check_random_preset(model)
-    if is_path_like(model) and not Path(model).expanduser().exists():
-        raise FastpplError(f"{model}: no such model directory; check --model")
+    local_checkpoint_dir(model)
 
 
 def _config_from_args(args: argparse.Namespace):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -81,8 +82,8 @@ def position_limit_note(model: nn.Module) -> str:
     return ""
 
 
-def resolve_checkpoint_dir(spec: str) -> Path:
-    """A local directory as is; otherwise a hub id, downloaded (or taken from the HF cache)."""
+def local_checkpoint_dir(spec: str) -> Optional[Path]:
+    """The directory --model names, or None for a hub id; a file, or a path to nothing, is an error."""
     path = Path(spec).expanduser()
     if path.is_dir():
         return path
@@ -90,6 +91,14 @@ def resolve_checkpoint_dir(spec: str) -> Path:
         raise FastpplError(f"{spec}: is a file; --model takes a checkpoint directory (config.json + weights)")
     if is_path_like(spec):
         raise FastpplError(f"{spec}: no such model directory; check --model")
+    return None
+
+
+def resolve_checkpoint_dir(spec: str) -> Path:
+    """A local directory as is; otherwise a hub id, downloaded (or taken from the HF cache)."""
+    local = local_checkpoint_dir(spec)
+    if local is not None:
+        return local
     try:
         from huggingface_hub import snapshot_download
         return Path(snapshot_download(
