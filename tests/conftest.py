@@ -38,17 +38,14 @@ def shakespeare() -> Path:
 @pytest.fixture(scope="session")
 def tiny_trained_checkpoint(tmp_path_factory, tokenizer_dir, shakespeare) -> Path:
     """A 2-layer, d-128, ctx-128 GPT-2 trained for 30 steps (about 15 s on one CPU thread) on the train
-    split of TinyShakespeare by scripts/train_tiny.py: an HF checkpoint directory with its tokenizer,
+    split of TinyShakespeare by tests/fixtures/train_tiny.py: an HF checkpoint directory with its tokenizer,
     whose predictions are far from uniform (val NLL about 6.7 nats, against 10.8 for random weights)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("train_tiny", ROOT / "scripts" / "train_tiny.py")
-    train_tiny = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_tiny)
+    from fixtures.train_tiny import train_tiny
     with pytest.MonkeyPatch.context() as mp:
         # a session fixture runs before the per-test cache isolation: isolate here too
         mp.setenv("FASTPPL_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "fastppl-cache"))
         mp.setenv("HF_HUB_OFFLINE", "1")
-        return train_tiny.train_tiny(tmp_path_factory.mktemp("tiny-trained"), steps=30, seed=0,
+        return train_tiny(tmp_path_factory.mktemp("tiny-trained"), steps=30, seed=0,
                                      data=shakespeare, tokenizer=tokenizer_dir)
 
 

@@ -18,6 +18,7 @@ from fastppl.distributed import (LaunchEnv, launch_env, rank_device, shard_plans
 from fastppl.errors import FastpplError
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+FAULTS = Path(__file__).resolve().parent / "fixtures" / "faults"   # sitecustomize: a rank that fails
 TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
         "foolishness, it was the epoch of belief, it was the epoch of incredulity. ") * 6
 DOCS = [
@@ -152,7 +153,7 @@ def test_nproc_refuses_one_process_options_before_starting_torchrun(tmp_path, ca
 def _env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([str(FAULTS), str(SRC), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra)
     return env
@@ -307,29 +308,29 @@ def _long_job(tmp_path, tokenizer_dir) -> list[str]:
 
 @pytest.mark.slow
 def test_a_failing_rank_stops_the_other_with_its_error(tmp_path, tokenizer_dir):
-    rank0, rank1 = _launch_without_torchrun(_long_job(tmp_path, tokenizer_dir), FASTPPL_TEST_FAIL="1:error")
+    rank0, rank1 = _launch_without_torchrun(_long_job(tmp_path, tokenizer_dir), FASTPPL_FAULT="rank-fails:1:error")
     assert rank1.returncode == 2
-    assert rank1.stderr.strip() == "fastppl: error: injected failure on rank 1 (FASTPPL_TEST_FAIL)"
+    assert rank1.stderr.strip() == "fastppl: error: injected failure on rank 1 (FASTPPL_FAULT)"
     assert rank0.returncode == 2
-    assert rank0.stderr.strip() == "fastppl: error: rank 1 failed: injected failure on rank 1 (FASTPPL_TEST_FAIL)"
+    assert rank0.stderr.strip() == "fastppl: error: rank 1 failed: injected failure on rank 1 (FASTPPL_FAULT)"
     assert not (tmp_path / "r.json").exists()
 
 
 @pytest.mark.slow
 def test_a_crashing_rank_makes_the_others_exit_as_a_crash_not_as_bad_input(tmp_path, tokenizer_dir):
     """Rank 0 reports rank 1's RuntimeError with rank 1's status (1), not 2, which means bad input."""
-    rank0, rank1 = _launch_without_torchrun(_long_job(tmp_path, tokenizer_dir), FASTPPL_TEST_FAIL="1:raise")
+    rank0, rank1 = _launch_without_torchrun(_long_job(tmp_path, tokenizer_dir), FASTPPL_FAULT="rank-fails:1:raise")
     assert rank1.returncode == 1 and "RuntimeError: injected failure on rank 1" in rank1.stderr
     assert rank0.returncode == 1
     assert rank0.stderr.strip() == ("fastppl: error: rank 1 failed: RuntimeError: injected failure on rank 1 "
-                                    "(FASTPPL_TEST_FAIL)")
+                                    "(FASTPPL_FAULT)")
 
 
 @pytest.mark.slow
 def test_a_killed_rank_ends_the_job_after_the_timeout(tmp_path, tokenizer_dir):
     started = time.monotonic()
     rank0, rank1 = _launch_without_torchrun(_long_job(tmp_path, tokenizer_dir),
-                                            FASTPPL_TEST_FAIL="1:kill", FASTPPL_DIST_TIMEOUT="2")
+                                            FASTPPL_FAULT="rank-fails:1:kill", FASTPPL_DIST_TIMEOUT="2")
     assert rank1.returncode == -9
     assert rank0.returncode == 1   # a lost process, not bad input (2)
     assert "rank(s) 1 did not get to the end of scoring within 2 s" in rank0.stderr
@@ -342,8 +343,8 @@ def test_under_torchrun_a_raising_rank_fails_the_job(tmp_path, tokenizer_dir):
     # torchrun stops the other rank as soon as one exits non-zero and exits 1 itself; --nproc passes that on
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "fastppl", *_long_job(tmp_path, tokenizer_dir), "--nproc", "2"],
-                          env=_env(FASTPPL_TEST_FAIL="1:raise"), capture_output=True, text=True, timeout=120)
+                          env=_env(FASTPPL_FAULT="rank-fails:1:raise"), capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
-    assert "RuntimeError: injected failure on rank 1 (FASTPPL_TEST_FAIL)" in done.stderr
+    assert "RuntimeError: injected failure on rank 1 (FASTPPL_FAULT)" in done.stderr
     assert time.monotonic() - started < 60
     assert not (tmp_path / "r.json").exists()

@@ -96,14 +96,10 @@ def test_auto_batch_size_matches_fixed(tmp_path, tokenizer_dir, shakespeare):
 
 @pytest.fixture(scope="module")
 def trained_300_steps(tmp_path_factory, tokenizer_dir, shakespeare):
-    """The tiny GPT-2 of scripts/train_tiny.py after 300 steps (val NLL about 5.9 nats): a model whose
+    """The tiny GPT-2 of tests/fixtures/train_tiny.py after 300 steps (val NLL about 5.9 nats): a model whose
     predictions are sharp enough that bf16 rounding shows, unlike a near-uniform random one."""
-    import importlib.util
-    from conftest import ROOT
-    spec = importlib.util.spec_from_file_location("train_tiny", ROOT / "scripts" / "train_tiny.py")
-    train_tiny = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_tiny)
-    return train_tiny.train_tiny(tmp_path_factory.mktemp("tiny-300"), steps=300, seed=0,
+    from fixtures.train_tiny import train_tiny
+    return train_tiny(tmp_path_factory.mktemp("tiny-300"), steps=300, seed=0,
                                  data=shakespeare, tokenizer=tokenizer_dir)
 
 

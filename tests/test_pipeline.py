@@ -65,10 +65,10 @@ def test_batch_size_invariance(tokenizer_dir, text_path, window, stride, bos):
 
 
 def test_loss_chunk_rows_do_not_change_the_result(tokenizer_dir, text_path, monkeypatch):
-    import fastppl.pipeline as pipeline
+    import fastppl.accel.apply as apply
     chunk_rows = []   # what the scorer was built with: the option must reach it
-    build = pipeline.make_score_fn
-    monkeypatch.setattr(pipeline, "make_score_fn", lambda model, rows, *a, **k: chunk_rows.append(rows)
+    build = apply.make_score_fn
+    monkeypatch.setattr(apply, "make_score_fn", lambda model, rows, *a, **k: chunk_rows.append(rows)
                         or build(model, rows, *a, **k))
     whole = _run(tokenizer_dir, [text_path], batch_size=4, loss_chunk_rows=8192)
     chunked = _run(tokenizer_dir, [text_path], batch_size=4, loss_chunk_rows=45)

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from fastppl.cli import main
-from fastppl.resume import CHECKPOINT_FILE, KILL_AFTER_BATCHES_ENV
+from fastppl.resume import CHECKPOINT_FILE
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+FAULTS = Path(__file__).resolve().parent / "fixtures" / "faults"   # sitecustomize: SIGKILL after N batches
 # everything a resumed run must reproduce bit for bit
 EXACT_FIELDS = ("nll_sum", "nll", "ppl", "tokens_scored", "bytes", "words", "word_perplexity", "byte_perplexity",
                 "bits_per_byte", "nll_by_position", "nll_by_position_std", "tokens_by_position", "windows", "batches",
@@ -41,10 +42,10 @@ def eval_args(tokenizer_dir, corpus_dir, out_dir: Path, *extra):
 
 
 def run_cli(args, kill_after=None):
-    env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1")
-    env.pop(KILL_AFTER_BATCHES_ENV, None)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(FAULTS), str(SRC)]), OMP_NUM_THREADS="1")
+    env.pop("FASTPPL_FAULT", None)
     if kill_after is not None:
-        env[KILL_AFTER_BATCHES_ENV] = str(kill_after)
+        env["FASTPPL_FAULT"] = f"kill-after-batches:{kill_after}"
     return subprocess.run([sys.executable, "-m", "fastppl", *args], env=env, capture_output=True, text=True, timeout=300)
 
 

@@ -32,7 +32,6 @@ import dataclasses
 import atexit
 import functools
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -51,9 +50,6 @@ from .errors import FastpplError
 TIMEOUT_ENV = "FASTPPL_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 600.0
 POLL_INTERVAL_S = 1.0
-# test-only hook: "RANK:MODE" makes that rank fail at its first batch; MODE is error (FastpplError),
-# raise (RuntimeError) or kill (SIGKILL, no chance to publish anything)
-TEST_FAIL_ENV = "FASTPPL_TEST_FAIL"
 
 
 class PeerFailed(FastpplError):
@@ -251,7 +247,6 @@ class Distributed:
             nonlocal done
             done += batch.n_scored
             progress.advance(round(done * scale) - progress.done)
-            _injected_failure(self.rank)
             self.check_peers()
 
         return on_batch
@@ -350,20 +345,6 @@ def stop_all_on_failure(fn):
                 _active.publish_failure(_describe(error), _exit_code(error))
             raise
     return wrapper
-
-
-def _injected_failure(rank: int) -> None:
-    spec = os.environ.get(TEST_FAIL_ENV)
-    if not spec:
-        return
-    fail_rank, _, mode = spec.partition(":")
-    if int(fail_rank) != rank:
-        return
-    if mode == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if mode == "raise":
-        raise RuntimeError(f"injected failure on rank {rank} ({TEST_FAIL_ENV})")
-    raise FastpplError(f"injected failure on rank {rank} ({TEST_FAIL_ENV})")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -472,11 +472,11 @@ def read_prompts(path: str) -> list[str]:
 
 def run_generate(config: GenerateConfig) -> dict:
     """Load, tokenise, generate, decode: the result dict of `fastppl generate`."""
-    from .data.tokenize import load_tokenizer
+    from .data.tokenize import default_tokenizer_name, load_tokenizer
     from .engine.precision import resolve_device, resolve_dtype
     from .models import load_model
     from .models.loading import NoNativeModel
-    from .pipeline import _environment, default_tokenizer_name
+    from .report.result import environment
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
@@ -513,7 +513,7 @@ def run_generate(config: GenerateConfig) -> dict:
     return dict(model=config.model, completions=completions, **result.to_dict(),
                 sampling=dict(temperature=config.sampling.temperature, top_k=config.sampling.top_k,
                               top_p=config.sampling.top_p, seed=config.sampling.seed),
-                dtype=str(dtype).replace("torch.", ""), environment=_environment(device))
+                dtype=str(dtype).replace("torch.", ""), environment=environment(device))
 
 
 def generation_summary(result: dict) -> str:

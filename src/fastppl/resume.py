@@ -26,14 +26,13 @@ import torch
 from .data.packing import BatchPlan
 from .engine.score import DeviceSums
 from .errors import FastpplError
-from .report import write_atomic
+from .report.files import write_atomic
 
 CHECKPOINT_FILE = "checkpoint.npz"
 FORMAT_VERSION = 2   # 2: every DeviceSums field is checkpointed (1 lacked the squared sums)
 # EvalConfig fields that do not change what is computed: where results go and how often to checkpoint
 NOT_IN_FINGERPRINT = ("quiet", "resume", "per_doc", "checkpoint_seconds", "checkpoint_batches")
 SUM_FIELDS = tuple(f.name for f in dataclasses.fields(DeviceSums))   # all of them, so none can be forgotten
-KILL_AFTER_BATCHES_ENV = "FASTPPL_TEST_SIGKILL_AFTER_BATCHES"   # tests: SIGKILL itself after this many batches
 
 
 def document_ids_sha256(documents) -> str:

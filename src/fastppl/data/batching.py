@@ -86,7 +86,7 @@ def make_batch(
     batch_size: int, seq_len: int,
 ) -> Batch:
     """stream_offsets[d]: flat corpus index of stream d's index 0 target minus 1, i.e. target stream
-    index j of document d is corpus token stream_offsets[d] + j - 1 (see Stream in fastppl.pipeline)."""
+    index j of document d is corpus token stream_offsets[d] + j - 1 (see Stream in fastppl.data.streams)."""
     batch = _empty_batch(batch_size, seq_len, packed=False)
     for row, ref in enumerate(refs):
         _place(batch, ref, streams[ref.doc], stream_offsets[ref.doc], row, 0)

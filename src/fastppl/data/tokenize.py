@@ -212,3 +212,8 @@ def encode_cached(tokenizer: Tokenizer, text: str, use_cache: bool = True) -> np
         except OSError:
             pass  # a read-only cache only costs speed
     return ids
+
+
+def default_tokenizer_name(model_spec: str) -> str:
+    # random weights have no tokenizer of their own; every preset's vocabulary holds GPT-2's
+    return "gpt2" if model_spec.startswith("random:") else model_spec

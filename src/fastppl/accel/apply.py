@@ -1,0 +1,109 @@
+"""The one place that decides and applies fastppl's performance transforms for a built model and a run: the loss
+kernel, torch.compile, the batching mode, the fused GPT-2 MLP epilogue and residual norms (CUDA, eager), and
+tuned cuBLASLt products. `fastppl eval` (fastppl.pipeline) and `fastppl bench` call these same functions, so the
+bench times what eval runs."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from ..data.packing import resolve_batching
+from ..engine.loss import resolve_loss
+from ..engine.score import ScoreFn, make_score_fn
+from ..models.attention import varlen_available
+from . import cublaslt
+from .compile import compile_score_fn, model_family, use_compile
+from .fused_mlp import fuse_mlp_epilogue, unfuse_mlp_epilogue
+
+
+@dataclass
+class Acceleration:
+    """The transforms a run applies, each with what the report says of it."""
+    loss: str                   # "fused" or "chunked"
+    compiled: bool
+    compile_reason: str
+    batching: str               # "packed", "bucketed" or "padded"
+    batching_reason: str
+    mlp_epilogue: str = "plain"
+    residual_norms: str = "plain"
+
+
+def takes_document_ids(model: nn.Module) -> bool:
+    """Whether the model's forward can keep packed documents apart (the native architectures can)."""
+    return "document_ids" in inspect.signature(model.forward).parameters
+
+
+def choose_acceleration(model: nn.Module, device: torch.device, dtype: torch.dtype, *, loss: str = "auto",
+                        compile: str = "auto", batching: str = "padded", n_scored: int, n_positions: int,
+                        n_documents: int = 1) -> Acceleration:
+    """The loss, compile and batching choices for a run scoring n_scored of the n_positions it reads, over
+    n_documents documents with something to score (each setting as its flag: auto, or what it names)."""
+    loss = resolve_loss(loss, device)
+    compiled, compile_reason = use_compile(compile, device, n_scored, loss, model_family(model),
+                                           scored_share=n_scored / n_positions)
+    # asked only where auto could pack: its first call imports torch's varlen module (0.3 s on the H200)
+    varlen = n_documents > 1 and varlen_available(device, dtype)
+    batching, batching_reason = resolve_batching(batching, n_documents, takes_document_ids(model), varlen, compiled)
+    if compiled and batching == "packed" and device.type == "cuda":
+        # FlexAttention document masks inside the compiled scorer hit an illegal memory access in
+        # Inductor on torch 2.11 (tests/models/test_document_attention.py on the GPU); eager packing is exact.
+        # varlen rows stay eager too: each batch's segment count and longest segment would recompile
+        compiled, compile_reason = False, "off (packed rows run eager: compiled FlexAttention failed on torch 2.11)"
+    return Acceleration(loss, compiled, compile_reason, batching, batching_reason)
+
+
+def apply_fusions(model: nn.Module, device: torch.device, acceleration: Acceleration) -> Acceleration:
+    """On CUDA with an eager scorer: GPT-2's MLP bias + GELU in the first product's epilogue, and its residual
+    adds inside the projections with the bias sums in the LayerNorms. Fusions applied before are undone first,
+    so that one model can be accelerated again for another choice (the bench's variants)."""
+    from .fused_norm import fuse_residual_norms, unfuse_residual_norms   # imports Triton
+    unfuse_mlp_epilogue(model)
+    unfuse_residual_norms(model)
+    mlp, norms = "plain", "plain"
+    if device.type == "cuda" and not acceleration.compiled:
+        if fuse_mlp_epilogue(model):
+            mlp = "fused bias+GELU (cuBLASLt)"
+        if fuse_residual_norms(model):
+            norms = "residual adds inside the projections (cuBLAS), bias sums in the LayerNorms (Triton)"
+    return dataclasses.replace(acceleration, mlp_epilogue=mlp, residual_norms=norms)
+
+
+def score_fn_for(model: nn.Module, acceleration: Acceleration, chunk_rows: int = 8192) -> ScoreFn:
+    """The scoring function of the chosen loss, compiled when the run compiles."""
+    score_fn = make_score_fn(model, chunk_rows, acceleration.loss)
+    return compile_score_fn(score_fn) if acceleration.compiled else score_fn
+
+
+def choose_tuning(setting: str, model: nn.Module, device: torch.device, dtype: torch.dtype,
+                  positions_by_rows: dict[int, int], compiled: bool, kv_cache: bool = False) -> cublaslt.TuningChoice:
+    """--tune-products for this run: tuned cuBLASLt products for fastppl's native models' eager batches only."""
+    from ..models.gpt2 import GPT2
+    from ..models.llama import Llama
+    tuning = cublaslt.use_tuning(setting, device, dtype, positions_by_rows, compiled)
+    if tuning.mode != "off" and not isinstance(model, (GPT2, Llama)):
+        return cublaslt.TuningChoice("off", "torch's picks (tuning is for fastppl's native models)")
+    if tuning.mode != "off" and kv_cache:
+        return cublaslt.TuningChoice("off", "torch's picks (the cached sliding rows change shape at every stride)")
+    return tuning
+
+
+@contextlib.contextmanager
+def tuned_products(model: nn.Module, tuning: cublaslt.TuningChoice) -> Iterator[Callable[[], str]]:
+    """Within the block the model's products run through the tuner when tuning is on. Yields a function giving
+    what the report says of the products (torch's picks, or which tuned kernels ran)."""
+    if tuning.mode == "off":
+        yield lambda: tuning.reason
+        return
+    cublaslt.route_linears(model)
+    tuner = cublaslt.start_tuning(cublaslt.picks_store(), tuning.mode == "time", tuning.timed_rows)
+    try:
+        yield lambda: f"{tuning.reason}: {tuner.summary()}"
+    finally:
+        cublaslt.stop_tuning()
+        cublaslt.unroute_linears(model)

@@ -1,0 +1,43 @@
+"""Timers and memory readings shared by the benches: synchronise, reset and read the peak, the matmul ceiling."""
+from __future__ import annotations
+
+import gc
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak(device: torch.device) -> None:
+    """Free what the last peer left (its graphs and cached blocks) and start a new peak."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_bytes(device: torch.device) -> Optional[int]:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def matmul_ceiling(device: torch.device) -> float:
+    """bf16 FLOP/s of a large square matmul (CUDA) or fp32 on the CPU; median of timed repeats."""
+    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    times = []
+    for i in range(13):
+        synchronize(device)
+        t = time.perf_counter()
+        a @ b
+        synchronize(device)
+        if i >= 3:
+            times.append(time.perf_counter() - t)
+    return 2 * n ** 3 / float(np.median(times))

@@ -1,0 +1,135 @@
+"""From token ids to the windows a run scores: each document becomes a stream (with a BOS token in front when
+it conditions on one), each stream is cut into windows (fastppl.data.windows), and the plan counts what every
+window, document and the corpus scores."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from ..errors import FastpplError
+from .batching import WindowRef
+from .corpus import Document
+from .tokenize import Tokenizer
+from .windows import chunked_windows, sliding_windows
+
+
+@dataclass
+class Stream:
+    """One document as the model reads it: [BOS] + tokens (chunked, or sliding with --bos) or tokens."""
+    ids: np.ndarray       # (n,) int64
+    bos: bool
+    token_offset: int     # index of this document's first token in the corpus' token array
+
+    @property
+    def offset_of_target(self) -> int:
+        # target stream index j is corpus token token_offset + j - (1 if bos else 0)
+        return self.token_offset + (0 if self.bos else 1)
+
+
+def sliding_stride(stride: Optional[int], ctx: int) -> int:
+    """--stride, or by default half the context (each window after the first scores its last ctx/2 tokens)."""
+    return stride or max(ctx // 2, 1)
+
+
+def make_streams(tokens: list[np.ndarray], bos_id: Optional[int], use_bos: bool) -> list[Stream]:
+    streams, offset = [], 0
+    for ids in tokens:
+        stream_ids = np.concatenate([[bos_id], ids]).astype(np.int64) if use_bos else ids
+        streams.append(Stream(stream_ids, use_bos, offset))
+        offset += len(ids)
+    return streams
+
+
+def plan_windows(window: str, stride: Optional[int], streams: list[Stream], ctx: int) -> list[WindowRef]:
+    """Every stream's windows, in order: chunked (lm-eval's rolling windows) or sliding (the HF guide's)."""
+    refs = []
+    for doc, stream in enumerate(streams):
+        if window == "chunked":
+            windows = chunked_windows(len(stream.ids) - 1, ctx)
+        else:
+            windows = sliding_windows(len(stream.ids), ctx, sliding_stride(stride, ctx))
+        refs.extend(WindowRef(doc, w) for w in windows)
+    return refs
+
+
+@dataclass
+class WindowPlan:
+    """What a run scores: the streams, their windows, and the counts the batches and the report need."""
+    streams: list[Stream]
+    refs: list[WindowRef]
+    n_tokens: int                    # tokens in the corpus
+    window_lengths: np.ndarray       # (n_windows,) int64: positions each window reads
+    scored_by_window: np.ndarray     # (n_windows,) int64
+    scored_by_document: np.ndarray   # (n_documents,) int64
+    scored_documents: np.ndarray     # indices of the documents with something to score
+
+    @property
+    def n_scored(self) -> int:
+        return int(self.scored_by_window.sum())
+
+    @property
+    def n_positions(self) -> int:
+        return int(self.window_lengths.sum())
+
+    @property
+    def stream_ids(self) -> list[np.ndarray]:
+        return [s.ids for s in self.streams]
+
+    @property
+    def target_offsets(self) -> list[int]:
+        return [s.offset_of_target for s in self.streams]
+
+    @property
+    def document_starts(self) -> np.ndarray:
+        return np.array([s.token_offset for s in self.streams], dtype=np.int64)
+
+
+def plan_corpus(tokens: list[np.ndarray], tokenizer: Tokenizer, window: str, stride: Optional[int],
+                bos: bool, ctx: int) -> WindowPlan:
+    """The windows of every document, refusing a corpus with nothing to score. Documents with nothing to score
+    (empty, or one token when sliding without --bos) are skipped."""
+    n_tokens = sum(len(t) for t in tokens)
+    use_bos = window == "chunked" or bos
+    if n_tokens < 2:   # a corpus, not a document: one document of a set may well be a single token
+        raise FastpplError(f"the corpus has {n_tokens} token(s); at least 2 are needed; pass a longer text")
+    if use_bos and tokenizer.bos_id is None:
+        raise FastpplError(f"tokenizer {tokenizer.name!r} has no BOS or end-of-text token to condition on; "
+                           "use --window sliding without --bos")
+    streams = make_streams(tokens, tokenizer.bos_id, use_bos)
+    refs = plan_windows(window, stride, streams, ctx)
+    scored_by_window = np.array([r.window.n_scored for r in refs], dtype=np.int64)
+    if scored_by_window.sum() == 0:
+        raise FastpplError("no token can be scored (every document is a single token); add text or use --bos")
+    scored_by_document = np.bincount([r.doc for r in refs], weights=scored_by_window,
+                                     minlength=len(tokens)).astype(np.int64)
+    return WindowPlan(streams, refs, n_tokens, np.array([r.window.length for r in refs], dtype=np.int64),
+                      scored_by_window, scored_by_document, np.flatnonzero(scored_by_document))
+
+
+def scored_bytes_by_document(documents: list[Document], tokens: list[np.ndarray], plan: WindowPlan,
+                             tokenizer: Tokenizer) -> np.ndarray:
+    """(n_documents,) UTF-8 bytes of each document's scored text: all of it, less the bytes of the tokens
+    no window scores (sliding: each document's first token without --bos, and with --stride equal to
+    --ctx each window's first)."""
+    total = np.array([len(d.text.encode("utf-8")) for d in documents], dtype=np.int64)
+    scored = [np.zeros(len(t), dtype=bool) for t in tokens]
+    for ref in plan.refs:
+        w, stream = ref.window, plan.streams[ref.doc]
+        first = w.start + w.score_from + 1 - (1 if stream.bos else 0)   # stream index j is token j - bos
+        scored[ref.doc][first:first + w.n_scored] = True
+    for doc, (ids, mask) in enumerate(zip(tokens, scored)):
+        total[doc] -= sum(tokenizer.token_n_bytes(ids, int(i)) for i in np.flatnonzero(~mask))
+    return total
+
+
+def with_decoded_text(document: Document, tokenizer: Tokenizer, vocab_size: int) -> Document:
+    """A pre-tokenised document (.npy) with its text decoded from its ids, so that bytes and words count
+    the text the ids stand for; the ids themselves are scored as they are, never re-encoded."""
+    largest = int(document.token_ids.max())
+    if largest >= vocab_size:
+        raise FastpplError(f"{document.id}: token id {largest:,} is outside the model's vocabulary of "
+                           f"{vocab_size:,}; the ids must come from the model's tokenizer")
+    return dataclasses.replace(document, text=tokenizer.decode(document.token_ids.tolist()))

@@ -1,0 +1,1 @@
+"""Result assembly, metrics, output files, the summary, run comparison and plots."""
