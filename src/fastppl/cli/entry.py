@@ -246,8 +246,6 @@ def run_bench(args: argparse.Namespace) -> int:
             raise FastpplError(f"--peers {args.peers!r} has an empty or repeated name; name each peer once")
     _check_bench_options(args)
     if args.generate:
-        from ..generate import DecodeOptions
-        DecodeOptions.from_env()   # a bad FASTPPL_DECODE fails now, not after the models are built
         from ..bench.generate import run_from_args as run_generate_bench
         return run_generate_bench(args)
     _check_bench_scoring_kind(args)
@@ -329,8 +327,6 @@ def run_generate(args: argparse.Namespace) -> int:
     check_distinct_outputs({"--json": args.json}, inputs=inputs)
     if args.json:
         check_writable(args.json, "--json")
-    from ..generate import DecodeOptions
-    DecodeOptions.from_env()   # a bad FASTPPL_DECODE fails now, not after the model is built
     _check_model_given(args.model, args.tokenizer)
     sampling_only = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed))
                      if value is not None]
