@@ -5,7 +5,7 @@ import pytest
 import torch
 
 # Without a GPU, Triton kernels run in Triton's interpreter on the CPU (it must be chosen before any kernel
-# is defined), so that the fused kernels' tests run in CI too (tests/test_fused_decode.py)
+# is defined), so that the fused kernels' tests run in CI too (with the kernels extra: Triton)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -13,6 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("FASTPPL_SHARED_DATA", ROOT.parent / "shared" / "data"))
 TOKENIZER_DIR = SHARED_DATA / "gpt2-tokenizer"
 SHAKESPEARE = SHARED_DATA / "tinyshakespeare.txt"
+HOW_TO_SUPPLY = ("put the GPT-2 tokenizer folder (gpt2-tokenizer/, with tokenizer.json) and tinyshakespeare.txt in "
+                 "../shared/data beside the checkout, or point FASTPPL_SHARED_DATA at a folder holding them")
 
 
 @pytest.fixture(autouse=True)
@@ -25,13 +27,15 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 
 @pytest.fixture(scope="session")
 def tokenizer_dir() -> Path:
-    assert TOKENIZER_DIR.is_dir(), f"shared GPT-2 tokenizer not found at {TOKENIZER_DIR}"
+    if not TOKENIZER_DIR.is_dir():
+        pytest.fail(f"shared GPT-2 tokenizer not found at {TOKENIZER_DIR}: {HOW_TO_SUPPLY}", pytrace=False)
     return TOKENIZER_DIR
 
 
 @pytest.fixture(scope="session")
 def shakespeare() -> Path:
-    assert SHAKESPEARE.is_file(), f"TinyShakespeare not found at {SHAKESPEARE}"
+    if not SHAKESPEARE.is_file():
+        pytest.fail(f"TinyShakespeare not found at {SHAKESPEARE}: {HOW_TO_SUPPLY}", pytrace=False)
     return SHAKESPEARE
 
 
