@@ -201,7 +201,7 @@ def test_every_one_pass_cublaslt_candidate_gives_torchs_result():
 def test_tuned_products_score_as_torchs_and_stored_picks_are_reused(tmp_path):
     """The dense scorer as eval runs it on CUDA, with every linear through the tuner: the same NLL bit for bit as
     torch's picks; a second tuner on the same store reuses all four picks and times nothing."""
-    from fastppl.accel import cublaslt as lt
+    from fastppl.accel import linear as linear_module
     from fastppl.accel.fused_mlp import fuse_mlp_epilogue
     from fastppl.accel.fused_norm import fuse_residual_norms
     from fastppl.engine.score import make_score_fn
@@ -213,14 +213,14 @@ def test_tuned_products_score_as_torchs_and_stored_picks_are_reused(tmp_path):
     ids = torch.randint(0, 50257, (4, 1025), device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
     batch = (ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), torch.ones(4, 1024, dtype=torch.bool, device="cuda"))
     store = tmp_path / "picks.json"
-    lt.route_linears(model)
+    linear_module.route_linears(model)
     try:
         with torch.inference_mode():
             plain = score(*batch)
-            first = lt.start_tuning(store)
+            first = linear_module.start_tuning(store)
             tuned = score(*batch)
             assert first.tuned == 4 and first.reused == 0 and torch.equal(tuned, plain), first.summary()
-            second = lt.start_tuning(store, timing_allowed=False)
+            second = linear_module.start_tuning(store, timing_allowed=False)
             again = score(*batch)
             assert second.tuned == 0 and second.reused == 4 and torch.equal(again, plain), second.summary()
             assert [p.chosen for p in second.plans.values()] == [p.chosen for p in first.plans.values()]
@@ -229,5 +229,5 @@ def test_tuned_products_score_as_torchs_and_stored_picks_are_reused(tmp_path):
                 plan.chosen = plan.one_pass_candidates()[-1]
             assert torch.equal(score(*batch), plain)
     finally:
-        lt.stop_tuning()
-        lt.unroute_linears(model)
+        linear_module.stop_tuning()
+        linear_module.unroute_linears(model)

@@ -8,20 +8,21 @@ import torch
 import torch.nn.functional as F
 
 from fastppl.accel import cublaslt
+from fastppl.accel import linear as linear_module
 from fastppl.cli import main
 
 
 def test_linear_without_a_tuner_is_torchs_call():
     g = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(16, 8, generator=g), torch.randn(12, 8, generator=g), torch.randn(12, generator=g)
-    assert torch.equal(cublaslt.linear(x, w, b), F.linear(x, w, b))
-    assert torch.equal(cublaslt.linear(x, w), F.linear(x, w))
-    assert torch.allclose(cublaslt.linear(x, w, b, gelu=True), F.gelu(F.linear(x, w, b), approximate="tanh"),
+    assert torch.equal(linear_module.linear(x, w, b), F.linear(x, w, b))
+    assert torch.equal(linear_module.linear(x, w), F.linear(x, w))
+    assert torch.allclose(linear_module.linear(x, w, b, gelu=True), F.gelu(F.linear(x, w, b), approximate="tanh"),
                           atol=1e-6)
-    assert torch.allclose(cublaslt.linear(x, w, gelu=True), F.gelu(x @ w.t(), approximate="tanh"), atol=1e-6)
+    assert torch.allclose(linear_module.linear(x, w, gelu=True), F.gelu(x @ w.t(), approximate="tanh"), atol=1e-6)
     stream = torch.randn(16, 12, generator=g)
     expected = stream + x @ w.t()
-    out = cublaslt.linear(x, w, accumulate_into=stream)
+    out = linear_module.linear(x, w, accumulate_into=stream)
     assert out is stream and torch.allclose(stream, expected, atol=1e-5)
 
 
@@ -31,10 +32,10 @@ def test_routing_linears_changes_no_result():
     ids = torch.randint(0, model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         plain = model(ids)
-        routed = cublaslt.route_linears(model)
+        routed = linear_module.route_linears(model)
         assert routed == sum(type(m) is torch.nn.Linear for m in model.modules()) > 0
         assert torch.equal(model(ids), plain)
-        cublaslt.unroute_linears(model)
+        linear_module.unroute_linears(model)
     assert not any("forward" in m.__dict__ for m in model.modules() if type(m) is torch.nn.Linear)
 
 

@@ -17,7 +17,7 @@ from ..data.packing import resolve_batching
 from ..engine.loss import resolve_loss
 from ..engine.score import ScoreFn, make_score_fn
 from ..models.attention import varlen_available
-from . import cublaslt
+from . import cublaslt, linear
 from .compile import compile_score_fn, model_family, use_compile
 from .fused_mlp import fuse_mlp_epilogue, unfuse_mlp_epilogue
 
@@ -100,10 +100,10 @@ def tuned_products(model: nn.Module, tuning: cublaslt.TuningChoice) -> Iterator[
     if tuning.mode == "off":
         yield lambda: tuning.reason
         return
-    cublaslt.route_linears(model)
-    tuner = cublaslt.start_tuning(cublaslt.picks_store(), tuning.mode == "time", tuning.timed_rows)
+    linear.route_linears(model)
+    tuner = linear.start_tuning(cublaslt.picks_store(), tuning.mode == "time", tuning.timed_rows)
     try:
         yield lambda: f"{tuning.reason}: {tuner.summary()}"
     finally:
-        cublaslt.stop_tuning()
-        cublaslt.unroute_linears(model)
+        linear.stop_tuning()
+        linear.unroute_linears(model)

@@ -1,11 +1,10 @@
-"""Linear products through cuBLASLt's fastest candidate instead of its first guess. torch asks cuBLASLt's
-heuristic for one algorithm per product; at GPT-2's scoring shapes on an H100 that pick (a 192 x 192 tile) ran
-5-10 % slower than another of the heuristic's eight candidates for each of the four products
-(scripts/gpu_cublaslt_algos.py, docs/BENCHMARKS.md session 18). ProductTuner times the candidates once per shape
+"""Linear products through cuBLASLt's fastest candidate instead of its first guess (`--tune-products on`). torch
+asks cuBLASLt's heuristic for one algorithm per product; at GPT-2's scoring shapes on an H100 that pick (a 192 x 192
+tile) ran 5-10 % slower than another of the heuristic's eight candidates for each of the four products. ProductTuner times the candidates once per shape
 on the run's own operands and keeps the fastest, and stores the pick (cache_dir()/cublaslt_picks.json), so that a
 later run of the same shapes on the same GPU and cuBLASLt takes it without timing. Only candidates that sum each
 dot product in one pass (no split-K) take part, so every pick gives torch's pick's result bit for bit
-(tests/test_gpu.py). `linear` is the one entry point: with no tuner active it is torch's own call.
+(tests/test_gpu.py). fastppl.accel.linear.linear routes products here while a tuner runs.
 
 cuBLASLt is reached through ctypes, in the copy torch loaded. Row-major torch tensors are read as column-major:
 out (M, N) = x (M, K) @ weight (N, K)^T is, column-major, out^T (N, M) = op_T(weight as stored (K, N)) . x^T (K, M)."""
@@ -22,8 +21,6 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 COMPUTE_32F = 68        # cublasComputeType_t CUBLAS_COMPUTE_32F
 R_32F, R_16F, R_16BF = 0, 2, 14   # cudaDataType_t
@@ -373,9 +370,6 @@ class ProductTuner:
         return plan
 
 
-_tuner: Optional[ProductTuner] = None
-
-
 @dataclass
 class TuningChoice:
     mode: str                           # "time" (time new shapes, reuse stored picks), "stored" or "off"
@@ -409,98 +403,3 @@ def use_tuning(setting: str, device: torch.device, dtype: torch.dtype, positions
 def picks_store() -> Path:
     from ..config import cache_dir
     return cache_dir() / "cublaslt_picks.json"
-
-
-def start_tuning(store: Optional[Path], timing_allowed: bool = True,
-                 timed_rows: Optional[set[int]] = None) -> ProductTuner:
-    """Route `linear` through tuned cuBLASLt plans from now on (until stop_tuning)."""
-    global _tuner
-    _tuner = ProductTuner(store, timing_allowed, timed_rows)
-    return _tuner
-
-
-def stop_tuning() -> None:
-    global _tuner
-    _tuner = None
-
-
-def _aligned(*tensors: Optional[torch.Tensor]) -> bool:
-    return all(t is None or t.data_ptr() % ALIGNMENT == 0 for t in tensors)
-
-
-def _torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], gelu: bool,
-                  accumulate_into: Optional[torch.Tensor]) -> torch.Tensor:
-    if accumulate_into is not None:
-        return accumulate_into.addmm_(x, weight.t())
-    if gelu:
-        if x.is_cuda and bias is not None:   # cuBLASLt's GELU epilogue is the tanh one; on the CPU it is erf's
-            return torch._addmm_activation(bias, x, weight.t(), use_gelu=True)
-        return F.gelu(F.linear(x, weight, bias), approximate="tanh")
-    return F.linear(x, weight, bias)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *, gelu: bool = False,
-           accumulate_into: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x (M, K) @ weight (N, K)^T, plus bias, then GELU (tanh approximation, GPT-2's) when gelu; or, with
-    accumulate_into (M, N), added into it in place (no bias, no GELU). torch's own call unless a tuner runs."""
-    assert accumulate_into is None or (bias is None and not gelu)
-    tuner = _tuner
-    if tuner is None or tuner.failure or not x.is_cuda or x.device.index != torch.cuda.current_device() \
-            or not all(t.is_contiguous() for t in (x, weight, *(t for t in (bias, accumulate_into) if t is not None))) \
-            or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype) \
-            or not _aligned(x, weight, bias, accumulate_into):
-        return _torch_linear(x, weight, bias, gelu, accumulate_into)
-    if accumulate_into is not None:
-        epilogue, beta = EPILOGUE_DEFAULT, 1.0
-    else:
-        epilogue, beta = ((EPILOGUE_GELU if gelu else EPILOGUE_DEFAULT) if bias is None else
-                          (EPILOGUE_GELU_BIAS if gelu else EPILOGUE_BIAS)), 0.0
-    key = (x.shape[0], weight.shape[0], weight.shape[1], x.dtype, epilogue, beta)
-    plan = tuner.plans.get(key, ...)
-    if plan is ...:   # first call of this shape: tune (or look up) on these operands
-        scratch = {}
-
-        def fresh_start() -> Optional[torch.Tensor]:
-            return None if accumulate_into is None else accumulate_into.clone()
-
-        def candidate_timed(p: LinearPlan, i: int) -> torch.Tensor:
-            if accumulate_into is None:
-                return p.run(x, weight, bias, index=i)
-            if "out" not in scratch:   # candidates add into one copy, so that the real sum gets one product
-                scratch["out"] = accumulate_into.clone()
-            return p.run(x, weight, out=scratch["out"], index=i)
-
-        plan = tuner.plan(Product(
-            key, lambda: _torch_linear(x, weight, bias, gelu, fresh_start()),
-            lambda p, i: p.run(x, weight, bias, out=fresh_start(), index=i), candidate_timed))
-    if plan is None:
-        return _torch_linear(x, weight, bias, gelu, accumulate_into)
-    try:
-        return plan.run(x, weight, bias, out=accumulate_into)
-    except torch.OutOfMemoryError:
-        raise
-    except RuntimeError as error:
-        tuner.fail(error)
-        return _torch_linear(x, weight, bias, gelu, accumulate_into)
-
-
-def _tuned_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    shape = x.shape
-    # the width, not -1: there is no size to infer from 0 rows
-    return linear(x.reshape(-1, shape[-1]), self.weight, self.bias).view(*shape[:-1], self.weight.shape[0])
-
-
-def route_linears(model: nn.Module) -> int:
-    """Send every nn.Linear's forward through `linear` (tuned while a tuner runs); returns how many."""
-    routed = 0
-    for module in model.modules():
-        if type(module) is nn.Linear:
-            module.forward = _tuned_linear_forward.__get__(module)
-            routed += 1
-    return routed
-
-
-def unroute_linears(model: nn.Module) -> None:
-    for module in model.modules():
-        if type(module) is nn.Linear and "forward" in module.__dict__:
-            del module.forward

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from ..models.gpt2 import MLP
-from .cublaslt import linear
+from .linear import linear
 
 
 def _fused_activation(self: MLP, x: torch.Tensor) -> torch.Tensor:
