@@ -1,4 +1,4 @@
-"""Every bad input of issue 2 through the CLI: one line "fastppl: error: ..." on stderr, exit code 2,
+"""Bad inputs through the CLI: one line "fastppl: error: ..." on stderr, exit code 2,
 no traceback, and neither the --json nor the --per-token file is created.
 
 A few cases run `python -m fastppl` as a subprocess (the real entry point, real stderr); the rest
@@ -648,7 +648,7 @@ def test_json_path_with_a_trailing_slash_and_out_of_memory(tmp_path, tokenizer_d
     (["--corpus", "docs", "--rounds", "3"],
      "--rounds do not apply to --corpus docs (--rounds: the peers' bench (--corpus dense)); drop them"),
     (["--nproc", "2", "--rounds", "3"], "--rounds do not apply to --nproc"),
-    # each was silently ignored by the scoring kind it was given to (the README's audit, session 17)
+    # each was silently ignored by the scoring kind it was given to
     (["--nproc", "2", "--compile", "on", "--peers", "naive", "--variants"],
      "--variants, --peers, --compile do not apply to --nproc (--variants, --peers: the peers' bench (--corpus "
      "dense); --compile: the peers' bench (--corpus dense) and --corpus docs)"),
@@ -765,8 +765,8 @@ def test_a_seed_beyond_64_bits(command, text, outputs, tokenizer_dir, capsys):
 
 
 def test_nproc_checks_data_and_outputs_before_starting_torchrun(tmp_path, text, tokenizer_dir, capsys, monkeypatch):
-    import fastppl.cli.entry as cli
-    monkeypatch.setattr(cli, "_relaunch", lambda args: pytest.fail("torchrun was started"))
+    from fastppl.cli import eval as eval_command
+    monkeypatch.setattr(eval_command, "_relaunch", lambda args: pytest.fail("torchrun was started"))
     base = ["eval", "--nproc", "2", "--model", TINY, "--tokenizer", str(tokenizer_dir), "--device", "cpu"]
     rc, err = _main(capsys, [*base, "--data", str(tmp_path / "missing.txt")])
     assert rc == 2 and "missing.txt: no such file" in err and err.count("\n") == 1, err

@@ -1,0 +1,72 @@
+"""What the subcommands share: the parser class, argument types and the help of --model and friends.
+
+Nothing here imports torch: the CLI imports it late, once the arguments are known to be good."""
+from __future__ import annotations
+
+import argparse
+
+from ..errors import FastpplError
+
+# the random:PRESET shapes, as in fastppl.models.gpt2.PRESETS and fastppl.models.llama.PRESETS (those modules
+# import torch, which the parser must not); tests/cli/test_help.py keeps the three lists equal
+GPT2_PRESETS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt2-tiny")
+LLAMA_PRESETS = ("llama-1b", "llama-tiny")
+RANDOM_PRESETS = GPT2_PRESETS + LLAMA_PRESETS
+
+PRESETS_HELP = f"PRESET: {', '.join(RANDOM_PRESETS)}"
+MODEL_HELP = ("a Hugging Face checkpoint directory (config.json + weights), a hub id, or random:PRESET for "
+              f"seeded random weights of a built-in shape ({PRESETS_HELP}); required")
+TOKENIZER_HELP = "tokenizer directory or hub id (default: the model's own; gpt2's for random:PRESET)"
+DEVICE_HELP = "auto, cpu, cuda or cuda:N (default: %(default)s: CUDA if a GPU is visible, else cpu)"
+DTYPE_HELP = "weights and activations (default: %(default)s: bf16 on CUDA, fp32 on cpu)"
+FLAG_OFF = " (default: off)"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block), exit code 2 as for every other bad input."""
+
+    def error(self, message: str):
+        self.exit(2, f"fastppl: error: {message}; see {self.prog} --help\n")
+
+
+def batch_size(value: str):
+    """An argparse type: a positive integer (checked by the config) or auto."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {value!r}") from None
+
+
+def at_least(minimum: int):
+    """An argparse type: an integer of at least minimum."""
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+        if number < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {number}")
+        return number
+    return parse
+
+
+def seed(value: str) -> int:
+    """torch seeds with a 64-bit integer; a larger one fails deep inside torch."""
+    number = at_least(-2**63)(value)
+    if number >= 2**64:
+        raise argparse.ArgumentTypeError(f"must be below 2**64, got {number}")
+    return number
+
+
+def check_model_given(model: str, tokenizer: str | None) -> None:
+    """--model and --tokenizer as given to eval and generate, checked before the tokenizer is loaded."""
+    # else the tokenizer, loaded first from the model's name, would report these obscurely
+    if not model.strip():
+        raise FastpplError("--model is empty; give a checkpoint directory, a hub id or random:<preset>")
+    if tokenizer is not None and not tokenizer.strip():   # else it would read as no --tokenizer, silently
+        raise FastpplError("--tokenizer is empty; give a tokenizer directory or hub id, or leave it out")
+    from ..models.loading import check_random_preset, local_checkpoint_dir
+    check_random_preset(model)
+    local_checkpoint_dir(model)

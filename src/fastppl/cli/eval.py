@@ -1,0 +1,196 @@
+"""`fastppl eval`: its arguments, the EvalConfig they map onto, the output checks, and the run."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..errors import FastpplError
+from .args import DEVICE_HELP, FLAG_OFF, MODEL_HELP, TOKENIZER_HELP, batch_size, check_model_given, seed
+
+DESCRIPTION = ("NLL, perplexity and bits per byte of a model over a corpus. "
+               "Example: fastppl eval --model gpt2 --data tinyshakespeare --split val")
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("eval", help="NLL, perplexity and bits per byte of a model over a corpus",
+                       description=DESCRIPTION)
+    _add_input_arguments(p.add_argument_group("model and corpus"))
+    _add_scoring_arguments(p.add_argument_group("scoring"))
+    _add_output_arguments(p.add_argument_group("outputs"))
+    p.set_defaults(run=run_eval)
+    return p
+
+
+def _add_input_arguments(p) -> None:
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    p.add_argument("--data", required=True, action="append",
+                   help="text file, .jsonl (one document per line), .npy (token ids of one document), "
+                        "directory (one document per file), hf:NAME[:CONFIG]:SPLIT (a Hugging Face dataset), "
+                        "or built-in 'tinyshakespeare'; repeatable; required")
+    p.add_argument("--tokenizer", help=TOKENIZER_HELP)
+    p.add_argument("--split", default="all", choices=["train", "val", "all"],
+                   help="nanoGPT split of a single text: train = the first 90%% of its characters, val = the "
+                        "last 10%%, all = the whole text (default: %(default)s)")
+    p.add_argument("--text-field", help="field of a .jsonl line or hf: dataset row holding the text (default: text)")
+    p.add_argument("--data-dir", help="directory holding local copies of built-in corpora (default: "
+                                      "$FASTPPL_DATA_DIR if set, else fastppl's cache, downloaded into on first use)")
+    p.add_argument("--errors", default="strict", choices=["strict", "replace"],
+                   help="undecodable UTF-8 bytes: strict = an error, replace = U+FFFD (default: %(default)s)")
+
+
+def _add_scoring_arguments(p) -> None:
+    p.add_argument("--window", default="chunked", choices=["chunked", "sliding"],
+                   help="chunked: every token scored once, disjoint windows from BOS; sliding: the HF guide's "
+                        "strided windows (see README, 'What is measured') (default: %(default)s)")
+    p.add_argument("--ctx", type=int, help="tokens per window (default: the model's maximum)")
+    p.add_argument("--stride", type=int, help="sliding: tokens between window starts (default: ctx/2)")
+    p.add_argument("--bos", action="store_true", help="sliding: prefix BOS so that the first token is scored" + FLAG_OFF)
+    p.add_argument("--batch-size", type=batch_size, default="auto",
+                   help="rows per forward pass (a row holds one window, or several short ones when packed), or "
+                        "auto: the largest that fits on a GPU with headroom (at most 256), 8 off CUDA; the result "
+                        "does not depend on it (default: %(default)s)")
+    p.add_argument("--batching", default="auto", choices=["auto", "packed", "bucketed", "padded"],
+                   help="packed: several documents per row with a document mask (native backend); bucketed: rows "
+                        "of a few lengths; padded: every window its own row of ctx (default: %(default)s: one "
+                        "document padded; several packed where variable-length flash attention runs and the run "
+                        "does not compile, else bucketed)")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="weights and activations; the loss is always fp32 (default: %(default)s: bf16 on CUDA, "
+                        "fp32 on cpu)")
+    p.add_argument("--backend", default="auto", choices=["auto", "native", "hf"],
+                   help="native: fastppl's own GPT-2 and Llama-family (Llama, Qwen2, Mistral) models; hf: "
+                        "transformers' AutoModelForCausalLM (default: %(default)s: native where it implements the "
+                        "checkpoint's architecture and settings, else hf)")
+    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                   help="torch.compile the scorer (default: %(default)s: on CUDA, for runs long enough to repay "
+                        "compiling)")
+    p.add_argument("--tune-products", default="auto", choices=["auto", "on", "off"],
+                   help="time cuBLASLt's candidate kernels for each product shape once and keep the fastest "
+                        "(native models on CUDA, 16-bit, eager; picks are stored in fastppl's cache) (default: "
+                        "%(default)s: time them for runs long enough to repay it, else use stored picks only)")
+    p.add_argument("--loss", default="auto", choices=["auto", "chunked", "fused"],
+                   help="per-token loss: chunked projection, or the fused Triton kernel (CUDA) (default: "
+                        "%(default)s: fused where CUDA and Triton are available, else chunked)")
+    p.add_argument("--loss-chunk-rows", type=int, default=8192,
+                   help="chunked loss: rows of the output projection computed at once; memory: rows x vocab x 4 "
+                        "bytes (default: %(default)s)")
+    p.add_argument("--kv-cache", default="auto", choices=["auto", "on", "off"],
+                   help="sliding windows on native rotary models (Llama, Qwen2, Mistral): on reuses cached "
+                        "keys/values (faster, but carries context from before the window; see README) (default: "
+                        "%(default)s, which is off)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of random:PRESET weights (default: %(default)s)")
+    p.add_argument("--nproc", type=int, help="processes (GPUs) on this machine: re-runs the command under torchrun "
+                                             "(default: one process)")
+
+
+def _add_output_arguments(p) -> None:
+    p.add_argument("--json", help="write the full report here (default: not written)")
+    p.add_argument("--per-token", help="write per-token NLL here (.npy float32, NaN where unscored) (default: not "
+                                       "written)")
+    p.add_argument("--per-doc", help="write one JSON line per scored document here (id, tokens, bytes, words, "
+                                     "nll_sum) (default: not written)")
+    p.add_argument("--plot", help="draw the loss by window position here (.png, .svg or .pdf; needs matplotlib) "
+                                  "(default: not drawn)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (default: off: progress on stderr)")
+    p.add_argument("--resume", metavar="DIR", help="checkpoint into DIR, and resume from the checkpoint found there "
+                                                   "(default: no checkpoints)")
+    p.add_argument("--checkpoint-seconds", type=float, help="with --resume: checkpoint at least this often "
+                                                            "(default: 60)")
+    p.add_argument("--checkpoint-batches", type=int, help="with --resume: also checkpoint every this many batches "
+                                                          "(default: by time only)")
+
+
+def config_from_args(args: argparse.Namespace):
+    check_model_given(args.model, args.tokenizer)
+    if args.resume is not None and not args.resume.strip():   # else it would read as no --resume, silently
+        raise FastpplError("--resume: empty path; give a directory for the checkpoint or leave --resume out")
+    if args.resume is None and (args.checkpoint_seconds is not None or args.checkpoint_batches is not None):
+        raise FastpplError("--checkpoint-seconds and --checkpoint-batches apply with --resume only; add --resume DIR")
+    if args.text_field is not None and not any(s.startswith("hf:") or Path(s).suffix == ".jsonl" for s in args.data):
+        raise FastpplError("--text-field applies to .jsonl files and hf: datasets, and no --data is one; drop it")
+    from ..config import EvalConfig
+    return EvalConfig(
+        model=args.model, data=args.data, tokenizer=args.tokenizer, split=args.split,
+        text_field="text" if args.text_field is None else args.text_field, data_dir=args.data_dir,
+        errors=args.errors, window=args.window,
+        ctx=args.ctx, stride=args.stride, bos=args.bos, batch_size=args.batch_size, device=args.device,
+        dtype=args.dtype, backend=args.backend, compile=args.compile, loss=args.loss, kv_cache=args.kv_cache,
+        loss_chunk_rows=args.loss_chunk_rows, tune_products=args.tune_products,
+        seed=args.seed, per_token=args.per_token, quiet=args.quiet,
+        batching=args.batching, per_doc=args.per_doc, resume=args.resume,
+        checkpoint_seconds=60.0 if args.checkpoint_seconds is None else args.checkpoint_seconds,
+        checkpoint_batches=args.checkpoint_batches,
+    )
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    from ..report.files import check_distinct_outputs, check_writable, files_in
+    outputs = {"--json": args.json, "--per-token": args.per_token, "--per-doc": args.per_doc, "--plot": args.plot}
+    # the corpus, and the files the model, tokenizer and built-in corpora are read from
+    inputs = [*args.data, *files_in(args.model), *files_in(args.tokenizer), *files_in(args.data_dir)]
+    check_distinct_outputs(outputs, inputs=inputs, output_dirs={"--resume": args.resume})
+    for flag, path in outputs.items():
+        if path and flag != "--plot":
+            check_writable(path, flag)
+    if args.plot:
+        from ..report.plot import check_plot_path
+        check_plot_path(args.plot)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    if args.nproc is not None and args.nproc != 1:
+        return _check_and_relaunch(args)
+    from ..distributed import init_distributed, is_main_process, stop_all_on_failure
+    from ..pipeline import evaluate
+    from ..report.files import all_or_nothing, write_json, write_jsonl, write_npy
+    from ..report.summary import summary
+
+    @stop_all_on_failure   # under torchrun, rank 0's output check stops the other ranks too
+    def check_outputs_once() -> None:
+        init_distributed(args.device)   # None on one process; evaluate() joins the same job
+        if is_main_process():
+            check_outputs(args)
+
+    config = config_from_args(args)
+    check_outputs_once()
+    result = evaluate(config)
+    if not is_main_process():
+        return 0   # only rank 0 prints and writes
+    per_token = result.pop("_per_token", None)
+    per_doc = result.pop("_per_doc", None)
+    with all_or_nothing():
+        if args.per_token:
+            write_npy(args.per_token, per_token)
+        if args.per_doc:
+            write_jsonl(args.per_doc, per_doc)
+        if args.json:
+            write_json(args.json, result)
+        if args.plot:
+            from ..report.plot import write_loss_by_position
+            write_loss_by_position(args.plot, result)
+    print(summary(result))
+    return 0
+
+
+def _check_and_relaunch(args: argparse.Namespace) -> int:
+    """--nproc N: a bad option, output path or --data path fails here, once, not in every rank under torchrun's
+    traceback; then the command runs again under torchrun."""
+    config_from_args(args)
+    for flag, given in (("--resume", args.resume is not None), ("--kv-cache on", args.kv_cache == "on")):
+        if given:   # each rank would refuse it (pipeline.evaluate), after starting torchrun
+            raise FastpplError(f"{flag} runs in one process only; drop it or run without --nproc / torchrun")
+    check_outputs(args)
+    from ..data.corpus import BUILTINS
+    for spec in args.data:
+        if spec not in BUILTINS and not spec.startswith("hf:") and not Path(spec).expanduser().exists():
+            raise FastpplError(f"{spec}: no such file; check the --data path")
+    return _relaunch(args)
+
+
+def _relaunch(args: argparse.Namespace) -> int:
+    """The seam where the command is run again under torchrun (tests replace it)."""
+    from ..distributed import relaunch_under_torchrun
+    if args.nproc < 1:
+        raise FastpplError(f"--nproc must be at least 1, got {args.nproc}")
+    return relaunch_under_torchrun(args.nproc, args.argv)
