@@ -129,6 +129,36 @@ def run_row(report: dict, nproc: int, process_seconds: float, baseline: Optional
     return row
 
 
+def _timed_runs(counts: list[int], eval_argv: Callable[[Path, Path], list[str]], n_written: int, vocab_size: int,
+                seq_len: int, batch_size: int, seed: int, device,
+                log: Callable[[str], None]) -> tuple[list, Optional[float], dict]:
+    """(a row per process count, the untimed warm-up's seconds, the environment the runs report): fastppl eval
+    over one random corpus, written once, on each process count in turn."""
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="fastppl-bench-nproc-") as scratch:
+        directory = Path(scratch)
+        corpus = directory / "corpus.npy"
+        write_random_corpus(corpus, n_written, vocab_size, seed)
+        log(f"corpus: {n_written:,} random token ids (seed {seed}): {n_written // seq_len:,} windows of {seq_len} "
+            f"in {n_written // seq_len // batch_size:,} batches of {batch_size}")
+        warmup_seconds = None
+        if device.type == "cuda":
+            warmup = directory / "warmup.npy"
+            write_random_corpus(warmup, WARMUP_BATCHES * batch_size * seq_len, vocab_size, seed + 1)
+            _report, warmup_seconds = run_eval(1, eval_argv(warmup, directory / "warmup.json"), "warm-up")
+            log(f"warm-up (untimed): {warmup_seconds:.1f} s")
+        for nproc in counts:
+            name = f"{nproc}-process"
+            report, seconds = run_eval(nproc, eval_argv(corpus, directory / f"run-{nproc}.json"), name)
+            row = run_row(report, nproc, seconds, rows[0] if rows else None)
+            rows.append(row)
+            log(f"{name:<11} {row['tokens_per_second']:>14,.0f} tok/s  scoring {row['scoring_seconds']:.3f} s  "
+                f"speed-up {row['speedup']:.2f}  efficiency {100 * row['efficiency']:.1f} %  "
+                f"nll_sum rel. diff {row['nll_sum_relative_difference']:.1e}  (process {seconds:.1f} s)")
+        environment = report["environment"]
+    return rows, warmup_seconds, environment
+
+
 def run_parallel_bench(
     process_counts: list[int], model: str = "random:gpt2", n_tokens: int = 1_048_576, seq_len: int = 1024,
     batch_size: int = 64, device_name: str = "auto", tokenizer: Optional[str] = None, loss: str = "auto",
@@ -166,28 +196,8 @@ def run_parallel_bench(
                 "--batch-size", str(batch_size), "--device", device_name, "--loss", loss,
                 "--compile", "on" if compile_on else "off", "--seed", str(seed), "--quiet", "--json", str(json_path)]
 
-    rows: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="fastppl-bench-nproc-") as scratch:
-        directory = Path(scratch)
-        corpus = directory / "corpus.npy"
-        write_random_corpus(corpus, n_written, vocab_size, seed)
-        log(f"corpus: {n_written:,} random token ids (seed {seed}): {n_written // seq_len:,} windows of {seq_len} "
-            f"in {n_written // seq_len // batch_size:,} batches of {batch_size}")
-        warmup_seconds = None
-        if device.type == "cuda":
-            warmup = directory / "warmup.npy"
-            write_random_corpus(warmup, WARMUP_BATCHES * batch_size * seq_len, vocab_size, seed + 1)
-            _report, warmup_seconds = run_eval(1, eval_argv(warmup, directory / "warmup.json"), "warm-up")
-            log(f"warm-up (untimed): {warmup_seconds:.1f} s")
-        for nproc in counts:
-            name = f"{nproc}-process"
-            report, seconds = run_eval(nproc, eval_argv(corpus, directory / f"run-{nproc}.json"), name)
-            row = run_row(report, nproc, seconds, rows[0] if rows else None)
-            rows.append(row)
-            log(f"{name:<11} {row['tokens_per_second']:>14,.0f} tok/s  scoring {row['scoring_seconds']:.3f} s  "
-                f"speed-up {row['speedup']:.2f}  efficiency {100 * row['efficiency']:.1f} %  "
-                f"nll_sum rel. diff {row['nll_sum_relative_difference']:.1e}  (process {seconds:.1f} s)")
-        environment = report["environment"]
+    rows, warmup_seconds, environment = _timed_runs(counts, eval_argv, n_written, vocab_size, seq_len, batch_size,
+                                                    seed, device, log)
     return {
         "model": model, "tokenizer": tokenizer_name, "tokens": n_written, "seq_len": seq_len,
         "batch_size": batch_size, "loss": loss, "compile": compile_on, "seed": seed, "device": device.type,
