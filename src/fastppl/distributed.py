@@ -110,7 +110,7 @@ def launch_env(environ: Mapping[str, str] = os.environ) -> Optional[LaunchEnv]:
     missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in environ]
     if missing:
         raise FastpplError(f"WORLD_SIZE is {world_size} but {', '.join(missing)} is not set; "
-                           "start the processes with torchrun (see README: Several GPUs and several machines)")
+                           "start the processes with torchrun (see docs/distributed.md)")
     rank = _int_variable(environ, "RANK")
     if not 0 <= rank < world_size:
         raise FastpplError(f"RANK {rank} is outside 0..{world_size - 1} (WORLD_SIZE {world_size})")

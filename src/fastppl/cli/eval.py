@@ -41,7 +41,7 @@ def _add_input_arguments(p) -> None:
 def _add_scoring_arguments(p) -> None:
     p.add_argument("--window", default="chunked", choices=["chunked", "sliding"],
                    help="chunked: every token scored once, disjoint windows from BOS; sliding: the HF guide's "
-                        "strided windows (see README, 'What is measured') (default: %(default)s)")
+                        "strided windows (see docs/windows-and-metrics.md) (default: %(default)s)")
     p.add_argument("--ctx", type=int, help="tokens per window (default: the model's maximum)")
     p.add_argument("--stride", type=int, help="sliding: tokens between window starts (default: ctx/2)")
     p.add_argument("--bos", action="store_true", help="sliding: prefix BOS so that the first token is scored" + FLAG_OFF)
@@ -77,7 +77,7 @@ def _add_scoring_arguments(p) -> None:
                         "bytes (default: %(default)s)")
     p.add_argument("--kv-cache", default="auto", choices=["auto", "on", "off"],
                    help="sliding windows on native rotary models (Llama, Qwen2, Mistral): on reuses cached "
-                        "keys/values (faster, but carries context from before the window; see README) (default: "
+                        "keys/values (faster, but carries context from before the window; see docs/llama-and-generation.md) (default: "
                         "%(default)s, which is off)")
     p.add_argument("--seed", type=seed, default=0, help="seed of random:PRESET weights (default: %(default)s)")
     p.add_argument("--nproc", type=int, help="processes (GPUs) on this machine: re-runs the command under torchrun "
