@@ -77,8 +77,8 @@ def _add_scoring_arguments(p) -> None:
                         "bytes (default: %(default)s)")
     p.add_argument("--kv-cache", default="auto", choices=["auto", "on", "off"],
                    help="sliding windows on native rotary models (Llama, Qwen2, Mistral): on reuses cached "
-                        "keys/values (faster, but carries context from before the window; see docs/llama-and-generation.md) (default: "
-                        "%(default)s, which is off)")
+                        "keys/values (faster, but carries context from before the window; see "
+                        "docs/llama-and-generation.md) (default: %(default)s, which is off)")
     p.add_argument("--seed", type=seed, default=0, help="seed of random:PRESET weights (default: %(default)s)")
     p.add_argument("--nproc", type=int, help="processes (GPUs) on this machine: re-runs the command under torchrun "
                                              "(default: one process)")
