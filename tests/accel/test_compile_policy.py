@@ -30,7 +30,8 @@ def test_auto_threshold_depends_on_family_and_loss():
 
 def test_auto_keeps_gpt2_sliding_windows_eager_with_the_fused_loss():
     """Sliding windows score a share of what they read; the eager fused scorer runs the loss on the scored
-    positions only, which beats compiling for GPT-2 at any length (docs/BENCHMARKS.md, session 9)."""
+    positions only, which beats compiling for GPT-2 at any length (docs/BENCHMARKS.md, "Kernel-level figures behind
+    the defaults")."""
     n = 10**12
     on, reason = use_compile("auto", CUDA, n, "fused", "gpt2", scored_share=0.5)
     assert on is False and "50.0 % of the positions read are scored" in reason

@@ -132,8 +132,8 @@ def test_the_same_corpus_by_another_path_is_comparable(tmp_path, capsys):
 
 
 def test_runs_compare_by_the_text_they_scored_not_the_file_names(tmp_path, capsys, tokenizer_dir):
-    """The helper's case: tinyshakespeare.txt by path against the built-in `tinyshakespeare` were refused as
-    other corpora (their names differ). Now the reports' corpus_sha256 decides: a renamed copy of the text is the
+    """tinyshakespeare.txt by path against the built-in `tinyshakespeare` must not be refused as other corpora
+    for their different names. The reports' corpus_sha256 decides: a renamed copy of the text is the
     same corpus, other text under the same name is not."""
     text = "Now is the winter of our discontent made glorious summer by this sun of York.\n" * 6
     (tmp_path / "one").mkdir()
@@ -323,7 +323,7 @@ def test_comparison_figures(tmp_path, capsys):
     {"nll": "x", "ppl": 1, "tokens_scored": 1, "config": {}},
     {"nll": 1.0, "ppl": 1.0, "tokens_scored": "a", "config": {"data": ["a.txt"]}},
     {"nll": 1.0, "ppl": 1.0, "tokens_scored": 1, "config": {"data": 5}},
-    # session 15's campaign: each was a TypeError or AttributeError with --force
+    # with --force too: a one-line error, never a TypeError or AttributeError
     {**make_result(), "config": {"data": [1, None]}},
     {**make_result(), "tokens_per_second": "fast"},
     {**make_result(), "bits_per_byte": "x"},

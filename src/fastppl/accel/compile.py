@@ -8,8 +8,8 @@ import torch
 from ..config import cache_dir
 
 # Below this many scored tokens a cold compile costs more than it saves: compile seconds divided by the
-# seconds per token it saves. Measured on the H200 (docs/BENCHMARKS.md, sessions 1-2; the eager scorer has
-# only become faster since, so these thresholds are, if anything, low):
+# seconds per token it saves. Measured on the H200 with an eager scorer slower than today's, so these thresholds
+# are, if anything, low:
 # - GPT-2 (and any non-Llama model): with the fused loss, compiling moves the scorer only from 1.62 to
 #   1.70 M tokens/s, so it repays ~8 s after ~250 M tokens; with the chunked loss 0.64 -> 1.62 M tokens/s,
 #   repaid after ~8 M tokens.

@@ -39,10 +39,10 @@ def _hash_quietly(triton_key) -> None:
 @functools.cache   # once per process: later calls return the same thread
 def start_triton_warm_up() -> Optional[threading.Thread]:
     """A thread that computes Triton's cache key, started once per process; None without Triton. The first kernel
-    of a process hashed Triton's sources there (0.35 s on the H200, docs/BENCHMARKS.md sessions 11 and 12). The
-    thread only reads files and hashes them, which runs without the GIL and overlaps `import torch`; Triton is
-    imported here, on the caller's thread, because two threads importing at once met a circular import
-    half-done (an ImportError in session 12). A daemon, so that an early exit need not wait for it."""
+    of a process hashed Triton's sources there (0.35 s on the H200). The thread only reads files and hashes them,
+    which runs without the GIL and overlaps `import torch`; Triton is imported here, on the caller's thread,
+    because two threads importing at once can meet a circular import half-done (an ImportError). A daemon, so
+    that an early exit need not wait for it."""
     if importlib.util.find_spec("triton") is None:
         return None
     try:
@@ -57,7 +57,7 @@ def start_triton_warm_up() -> Optional[threading.Thread]:
 def start_cuda_warm_up(device) -> list[threading.Thread]:
     """The warm-up threads for a run on `device` (CUDA), started if need be; none off CUDA. Join them before the
     first kernel: Triton's cache key is an lru_cache, not a lock, so a kernel launched while the thread still
-    hashes would hash everything again (0.7 s, docs/BENCHMARKS.md session 12)."""
+    hashes would hash everything again (0.7 s on the H200)."""
     import torch
     if device.type != "cuda":
         return []

@@ -305,7 +305,7 @@ def format_docs_table(report: dict) -> str:
         peak = "n/a" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**30:.2f}"
         lines.append(f"{r['name']:<10}{r['tokens_per_second']:>14,.0f}{100 * r['padding_waste']:>13.1f} %"
                      f"{r['nll_sum']:>22.6f}{peak:>10}  {r['note']}")
-    # the targets are the issue's, on a GPU: off it the figures are shown, not judged
+    # the targets are set for a GPU: off it the figures are shown, not judged
     on_gpu = report["device"].startswith("cuda")
     met = lambda key: ("met" if report["targets_met"][key] else "MISSED") if on_gpu else "a GPU target"  # noqa: E731
     lines.append(f"packed / dense {100 * report['packed_over_dense']:.1f} % (target >= 90 %, {met('packed_over_dense')})"

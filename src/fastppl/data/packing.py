@@ -151,7 +151,7 @@ def resolve_batching(setting: str, n_documents: int, takes_document_ids: bool,
     auto: one document -> padded (its windows are full rows but the last, and plain causal attention runs the
     fastest kernels); several -> packed where varlen runs it (a flash kernel over the real tokens only, no
     padding to pay for), else bucketed: on the H200 bucketed scored the 10,000-document bench corpus at
-    1.12 M tokens/s against packed-with-FlexAttention's 0.90 M (docs/BENCHMARKS.md), because plain causal
+    1.12 M tokens/s against packed-with-FlexAttention's 0.90 M, because plain causal
     SDPA on a few padded shapes beats FlexAttention's document masks on full rows despite 19 % padding."""
     if setting == "packed" and not takes_document_ids:
         raise FastpplError("--batching packed needs a model whose forward takes document_ids (the native "

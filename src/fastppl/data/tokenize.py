@@ -85,7 +85,7 @@ def _special_ids(directory: Path, config: dict, backend) -> dict:
 
 def _load_tokenizer_json(directory: Path, name: str) -> Optional[Tokenizer]:
     """A local tokenizer.json read by `tokenizers` alone: about 0.1 s, where transformers' AutoTokenizer
-    took 6.8 s on the H200 machine (its import, then rebuilding the tokenizer; docs/BENCHMARKS.md).
+    took 6.8 s on the H200 machine (its import, then rebuilding the tokenizer).
     None when the directory's tokenizer_config.json asks for more than the file holds (a custom class,
     or options that transformers applies on top of tokenizer.json), so transformers loads it instead."""
     import json

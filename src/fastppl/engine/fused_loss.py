@@ -38,7 +38,7 @@ if triton is not None:
                 EVEN_K: tl.constexpr, TMA: tl.constexpr, OFFSETS_64: tl.constexpr):
         """logits + h[rows, k_start : k_start + BLOCK_K] . W[cols, same k]^T. TAIL: the tile runs past V, so its
         columns are masked; whole tiles need no masks (peeling the tail off moved the loss from 11.1 to 9.6 ms at
-        GPT-2's shape, docs/BENCHMARKS.md). TMA: hidden_src and weight_src are tensor descriptors (Hopper's bulk
+        GPT-2's shape on the H200). TMA: hidden_src and weight_src are tensor descriptors (Hopper's bulk
         copies, zero past the edges) instead of pointers. OFFSETS_64: the pointer offsets are computed in int64
         (row or vocabulary index x stride reaches 2^31 elements, where int32 wraps)."""
         if TMA:
@@ -74,7 +74,7 @@ if triton is not None:
         is_target = cols[None, :] == targets[:, None]
         target_logit += tl.sum(tl.where(is_target, logits, 0.0), axis=1)
         # Base 2: each exponential is one multiply-add and exp2 (with the descriptor loads, -6 to -8 % of the
-        # loss's time on the H200, BENCHMARKS session 13).
+        # loss's time on the H200).
         new_max = tl.maximum(running_max, tl.max(logits, axis=1) * LOG2E)
         running_sum = running_sum * tl.exp2(running_max - new_max) + tl.sum(
             tl.exp2(logits * LOG2E - new_max[:, None]), axis=1)
@@ -177,8 +177,7 @@ def _has_tma(device: torch.device) -> bool:
 
 def _tma_fits(*tensors: torch.Tensor) -> bool:
     """Bulk copies need 16-byte aligned base addresses and row strides. 16-bit inputs only: with fp32 inputs
-    (exact products, no tf32) the descriptor path ran 20x slower than pointer loads on the H200 (BENCHMARKS
-    session 13)."""
+    (exact products, no tf32) the descriptor path ran 20x slower than pointer loads on the H200."""
     return TensorDescriptor is not None and _has_tma(tensors[0].device) and all(
         t.element_size() == 2 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
         for t in tensors)

@@ -24,7 +24,7 @@ def chunked_token_nll(
         logits = F.linear(hidden[begin:begin + chunk_rows], weight, bias).float()   # (c, V)
         pieces.append(F.cross_entropy(logits, targets[begin:begin + chunk_rows], reduction="none"))
     # concatenated, not written into a preallocated buffer: slice assignment inside a compiled
-    # loop hit an illegal memory access in Inductor on torch 2.11 (docs/h200-findings)
+    # loop hit an illegal memory access in Inductor on torch 2.11 (on the H200)
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
