@@ -6,7 +6,8 @@ import torch
 
 from fastppl.cli import main
 from fastppl.errors import FastpplError
-from fastppl.generate import DecodeOptions, Sampling, benchmark_generate, generate, read_prompts, sample
+from fastppl.decode import Sampling, sample
+from fastppl.generate import benchmark_generate, generate, read_prompts
 from fastppl.models.loading import native_to_hf, random_native
 
 EOS = 50256
@@ -196,37 +197,6 @@ def test_benchmark_generate_reports_decode_speed():
     assert result["decode_tokens_per_second"] > 0 and result["time_to_first_token_seconds"] > 0
 
 
-DECODE_VARIANTS = ["cache_write=per_row", "attention=matmul", "attention=reduction", "additive_mask=true", "cache_write=index_copy",
-                   "attend_bucket=8", "attention=reduction,additive_mask=1,cache_write=index_copy,attend_bucket=8"]
-
-
-@pytest.mark.parametrize("options", DECODE_VARIANTS)
-@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
-def test_decode_options_give_the_default_tokens(preset, options):
-    """Each decode variant, batched prompts of different lengths, equals the default (which equals
-    transformers, above) token for token in fp32; the environment variable selects it too."""
-    model = _model(preset)
-    prompts = _prompts([9, 2, 5, 13])
-    expected = generate(model, prompts, 20, eos_id=None, decode=DecodeOptions()).tokens
-    assert generate(model, prompts, 20, eos_id=None, decode=DecodeOptions.parse(options)).tokens == expected
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("FASTPPL_DECODE", options)
-        assert DecodeOptions.from_env() == DecodeOptions.parse(options)
-        assert generate(model, prompts[1:2], 20, eos_id=None).tokens == expected[1:2]
-
-
-def test_decode_options_parse_and_bucket_lengths():
-    options = DecodeOptions.parse(" attention=matmul, attend_bucket=64 ,dynamic=false")
-    assert options == DecodeOptions(attention="matmul", attend_bucket=64, dynamic=False)
-    assert DecodeOptions.parse("dependent_launch=0") == DecodeOptions(dependent_launch=False)
-    assert DecodeOptions.parse("") == DecodeOptions() and DecodeOptions().attend_len(40, 320) == 320
-    assert [options.attend_len(pos, 320) for pos in (32, 63, 64, 300)] == [64, 64, 128, 320]
-    for bad in ("attention=flash", "cache_write=put", "attend_bucket=-3", "colour=red", "dynamic=maybe",
-                "attend_bucket=x", "dependent_launch=none", "fused=none"):
-        with pytest.raises(FastpplError, match="FASTPPL_DECODE"):
-            DecodeOptions.parse(bad)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
@@ -237,16 +207,15 @@ def test_compiled_decode_in_cuda_graphs_gives_the_eager_tokens(preset, new_token
     repeats itself."""
     model = _model(preset).cuda()
     prompts = _prompts([9, 2, 5, 13])
-    graphed = DecodeOptions()
     expected = generate(model, prompts, new_tokens, eos_id=None, compile=False).tokens
-    got = generate(model, prompts, new_tokens, eos_id=None, compile=True, decode=graphed)
+    got = generate(model, prompts, new_tokens, eos_id=None, compile=True)
     assert got.tokens == expected and got.decode_steps == new_tokens - 1
     eos = expected[1][min(5, new_tokens - 1)]     # a token that row 1 emits: it stops there
     stop = generate(model, prompts, new_tokens, eos_id=eos, compile=False).tokens
-    assert generate(model, prompts, new_tokens, eos_id=eos, compile=True, decode=graphed).tokens == stop
+    assert generate(model, prompts, new_tokens, eos_id=eos, compile=True).tokens == stop
     sampling = Sampling(temperature=1.0, top_k=50, seed=3)
-    first = generate(model, prompts, new_tokens, sampling, eos_id=None, compile=True, decode=graphed).tokens
-    assert generate(model, prompts, new_tokens, sampling, eos_id=None, compile=True, decode=graphed).tokens == first
+    first = generate(model, prompts, new_tokens, sampling, eos_id=None, compile=True).tokens
+    assert generate(model, prompts, new_tokens, sampling, eos_id=None, compile=True).tokens == first
     assert all(0 <= t < model.vocab_size for row in first for t in row)
 
 
@@ -258,14 +227,14 @@ def test_compiled_decode_with_aligned_logits_gives_the_eager_tokens():
     cached head)."""
     model = _model("gpt2-tiny").cuda()
     prompts = _prompts([9, 2, 5, 13])
-    aligned = DecodeOptions(fused=False, aligned_logits=True)
-    plain = DecodeOptions(fused=False, aligned_logits=False)
-    expected = generate(model, prompts, 24, eos_id=None, compile=False, decode=plain).tokens
+    aligned = dict(fused=False)                         # the default head, on the compiled step
+    plain = dict(fused=False, aligned_logits=False)
+    expected = generate(model, prompts, 24, eos_id=None, compile=False, **plain).tokens
     for _ in range(2):
-        assert generate(model, prompts, 24, eos_id=None, compile=True, decode=aligned).tokens == expected
+        assert generate(model, prompts, 24, eos_id=None, compile=True, **aligned).tokens == expected
     sampling = Sampling(temperature=1.0, top_k=50, seed=3)
-    sampled = generate(model, prompts, 24, sampling, eos_id=None, compile=True, decode=plain)
-    assert generate(model, prompts, 24, sampling, eos_id=None, compile=True, decode=aligned).tokens == sampled.tokens
+    sampled = generate(model, prompts, 24, sampling, eos_id=None, compile=True, **plain)
+    assert generate(model, prompts, 24, sampling, eos_id=None, compile=True, **aligned).tokens == sampled.tokens
 
 
 def test_the_compiled_step_serves_more_shapes_than_dynamos_recompile_limit():
@@ -290,7 +259,7 @@ def test_the_compiled_step_serves_more_shapes_than_dynamos_recompile_limit():
 
 
 def test_aligned_lm_head_pads_with_zero_rows_and_is_kept_while_the_weights_stand():
-    from fastppl.generate import LOGITS_ALIGN, aligned_lm_head
+    from fastppl.decode import LOGITS_ALIGN, aligned_lm_head
     model = _model("gpt2-tiny")
     V = model.lm_head.weight.shape[0]
     weight, bias = aligned_lm_head(model)
@@ -317,7 +286,7 @@ def test_aligned_lm_head_pads_with_zero_rows_and_is_kept_while_the_weights_stand
 
 
 def test_logits_over_the_aligned_head_are_the_plain_ones():
-    from fastppl.generate import _logits, aligned_lm_head
+    from fastppl.decode import _logits, aligned_lm_head
     model = _model("gpt2-tiny")
     hidden = torch.randn(3, 2, model.lm_head.weight.shape[1])
     aligned = _logits(model, hidden, aligned_lm_head(model))

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from fastppl import decode as D
 from fastppl import generate as G
 from fastppl.models.gpt2 import GPT2, GPT2Config
 from fastppl.models.kv_cache import setup_kv_cache
@@ -45,17 +46,17 @@ def prompts_of(lengths, vocab, seed=1):
 
 
 def fused_tokens(model, prompts, new_tokens, eos_id=-1, keep_logits=False, cache_len=None, decoder=None,
-                 dependent_launch=None):
+                 dependent_launch=True):
     """(new tokens (B, new_tokens) as lists, the decoder) through prefill + the fused step; a given decoder
     is reused (its model's cache must have cache_len slots)."""
-    ids, pad = G.left_pad(prompts, pad_id=0)
+    ids, pad = D.left_pad(prompts, pad_id=0)
     B, P = ids.shape
     cache_len = cache_len or -(-(P + new_tokens) // G.CACHE_LEN_MULTIPLE) * G.CACHE_LEN_MULTIPLE
     if decoder is None:
         setup_kv_cache(model, B, cache_len)
     with torch.inference_mode():
         ids, pad = torch.from_numpy(ids).to(DEVICE), torch.from_numpy(pad).to(DEVICE)
-        first = G.prefill(model, ids, pad, cache_len, G.Sampling())
+        first = D.prefill(model, ids, pad, cache_len, D.Sampling())
         decoder = decoder or fused_decode.FusedGPT2Decoder(model, keep_logits=keep_logits,
                                                            dependent_launch=dependent_launch)
         decoder.start(first, pad, P, eos_id)
@@ -136,7 +137,7 @@ def _reference_logits(model, prompts, new_tokens):
     with torch.inference_mode():
         for prompt, new in zip(prompts, new_tokens):
             ids = torch.tensor([prompt + new[:-1]], device=DEVICE)
-            rows.append(G._logits(model, model(ids))[0])
+            rows.append(D._logits(model, model(ids))[0])
     return torch.stack(rows)
 
 
@@ -165,13 +166,13 @@ def test_dependent_launches_give_the_same_tokens_and_logits_bit_for_bit(dtype):
     combine and every residual read in play."""
     model = sharp_model(GPT2_WIDTHS, dtype)
     prompts = prompts_of([7, 3][:fused_decode.MAX_BATCH], GPT2_WIDTHS.vocab_size, seed=5)
-    ids, pad = G.left_pad(prompts, pad_id=0)
+    ids, pad = D.left_pad(prompts, pad_id=0)
     runs = {}
     for dependent in (False, True):
         setup_kv_cache(model, len(prompts), 64)
         with torch.inference_mode():
             ids_d, pad_d = torch.from_numpy(ids).to(DEVICE), torch.from_numpy(pad).to(DEVICE)
-            first = G.prefill(model, ids_d, pad_d, 64, G.Sampling())
+            first = D.prefill(model, ids_d, pad_d, 64, D.Sampling())
             decoder = fused_decode.FusedGPT2Decoder(model, keep_logits=True, dependent_launch=dependent)
             decoder.start(first, pad_d, ids.shape[1], -1)
             logits = []
@@ -189,14 +190,14 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import fastppl.accel.fused_decode as fd
+import fastppl.accel.fused_decode_kernels as fd
 signature = dict(x_ptr="*fp32", w_ptr="*bf16", bias_ptr="*bf16", out_ptr="*fp32", N="i32", ln_w_ptr="*bf16",
                  ln_b_ptr="*bf16", eps="fp32", k_cache_ptr="*bf16", v_cache_ptr="*bf16", pos_ptr="*i64", L="i32",
                  block_max_ptr="*fp32", block_arg_ptr="*i32", n_blocks="i32")
 constants = dict(B=1, K=64, PROLOGUE=fd.LAYER_NORM, EPILOGUE=fd.QKV_TO_CACHE, HAS_BIAS=True, GELU=False,
                  STORE_LOGITS=False, HEAD_DIM=32, BLOCK_B=1, BLOCK_N=16, BLOCK_K=64, GDC=True)
 signature.update({name: "constexpr" for name in constants})
-source = ASTSource(fn=fd._gemv_kernel, signature=signature, constexprs=constants)
+source = ASTSource(fn=fd.gemv_kernel, signature=signature, constexprs=constants)
 try:
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, launch_pdl=True))
 except RuntimeError as error:
@@ -244,7 +245,7 @@ def test_generate_on_cuda_takes_the_fused_step_and_matches_the_compiled_one(batc
     fused = G.generate(model, prompts, 40)
     assert fused.decode_step.startswith("fused")
     again = G.generate(model, prompts, 40)            # the decoder and its graph are reused
-    compiled = G.generate(model, prompts, 40, decode=G.DecodeOptions(fused=False))
+    compiled = G.generate(model, prompts, 40, fused=False)
     assert compiled.decode_step.startswith("torch.compile")
     assert fused.tokens == again.tokens == compiled.tokens
 

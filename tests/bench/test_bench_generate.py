@@ -93,14 +93,14 @@ def test_bench_llama_peers_agree(tmp_path, sharpened_random_models):
 
 
 def test_flops_per_token_by_hand():
-    # GPT-2 124M at T 1024: 266.0 MFLOP (docs/BENCHMARKS.md)
+    # GPT-2 124M at T 1024: 266.0 MFLOP a token
     assert flops_per_token(GPT2_PRESETS["gpt2"], 1024) / 1e6 == pytest.approx(266.0, abs=0.05)
     # Llama-3.2-1B shape at T 2048: per layer qkv 2048 x (2048 + 2 x 512), o 2048 x 2048, SwiGLU 3 x 2048 x 8192;
     # head 2048 x 128,256; attention 2 x 16 x 2048 x 2049
     per_layer = 2048 * 3072 + 2048 * 2048 + 3 * 2048 * 8192
     expected = 2 * (16 * per_layer + 2048 * 128256) + 2 * 16 * 2048 * 2049
     assert flops_per_token(LLAMA_PRESETS["llama-1b"], 2048) == expected
-    assert expected / 1e9 == pytest.approx(2.606, abs=0.001)   # x 184 k tok/s = 72 % of 661 TFLOP/s (issue 5)
+    assert expected / 1e9 == pytest.approx(2.606, abs=0.001)   # x 184 k tok/s = 72 % of 661 TFLOP/s
 
 
 @pytest.mark.gpu

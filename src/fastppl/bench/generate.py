@@ -39,7 +39,7 @@ from ..errors import FastpplError
 from .timers import synchronize
 
 GENERATE_PEERS = ("fastppl", "hf-static", "hf-dynamic")
-# issue 5's targets, on the H200 with random:gpt2: (batch size, min tokens/s, min x hf-static)
+# decode speed targets, on an H200 with random:gpt2: (batch size, min tokens/s, min x hf-static)
 TARGETS = {1: (3000.0, 5.0), 64: (None, 3.0)}
 
 
@@ -169,13 +169,9 @@ def time_generation(native: nn.Module, hf: Optional[nn.Module], prompts: torch.T
     return rows
 
 
-def run_bench_generate(model_spec: str = "random:gpt2", batch_sizes: Sequence[int] = (1, 64), new_tokens: int = 256,
-                       prompt_tokens: int = 32, device_name: str = "auto", peers: Optional[Sequence[str]] = None,
-                       repeats: int = 3, seed: int = 0, dtype_name: str = "auto",
-                       log: Callable[[str], None] = print) -> dict:
-    """The report of `fastppl bench --generate`: rows per batch size and peer, and fastppl's speed-ups."""
-    from ..models.loading import RANDOM_PREFIX, native_to_hf, random_native
-    peers = list(peers or GENERATE_PEERS)
+def _check_arguments(model_spec: str, batch_sizes: Sequence[int], new_tokens: int, prompt_tokens: int,
+                     peers: Sequence[str]) -> None:
+    from ..models.loading import RANDOM_PREFIX
     unknown = [p for p in peers if p not in GENERATE_PEERS]
     if unknown:
         raise FastpplError(f"unknown --peers {', '.join(unknown)} for --generate; use {','.join(GENERATE_PEERS)}")
@@ -187,6 +183,16 @@ def run_bench_generate(model_spec: str = "random:gpt2", batch_sizes: Sequence[in
         raise FastpplError(f"--new-tokens must be at least 2 (one prefill token, one decode step), got {new_tokens}")
     if prompt_tokens < 1:
         raise FastpplError(f"--prompt-tokens must be at least 1, got {prompt_tokens}")
+
+
+def run_bench_generate(model_spec: str = "random:gpt2", batch_sizes: Sequence[int] = (1, 64), new_tokens: int = 256,
+                       prompt_tokens: int = 32, device_name: str = "auto", peers: Optional[Sequence[str]] = None,
+                       repeats: int = 3, seed: int = 0, dtype_name: str = "auto",
+                       log: Callable[[str], None] = print) -> dict:
+    """The report of `fastppl bench --generate`: rows per batch size and peer, and fastppl's speed-ups."""
+    from ..models.loading import RANDOM_PREFIX, native_to_hf, random_native
+    peers = list(peers or GENERATE_PEERS)
+    _check_arguments(model_spec, batch_sizes, new_tokens, prompt_tokens, peers)
     device = resolve_device(device_name)
     dtype = resolve_dtype(dtype_name, device)
     native = random_native(model_spec[len(RANDOM_PREFIX):], seed, device)
@@ -235,7 +241,7 @@ def run_bench_generate(model_spec: str = "random:gpt2", batch_sizes: Sequence[in
 
 
 def _targets(model_spec: str, device: torch.device, rows: list[dict], ratios: list[dict]) -> list[dict]:
-    """Issue 5's targets that this run can judge (random:gpt2 on CUDA, the batch sizes it names)."""
+    """The TARGETS that this run can judge (random:gpt2 on CUDA, the batch sizes they name)."""
     if model_spec != "random:gpt2" or device.type != "cuda":
         return []
     out = []

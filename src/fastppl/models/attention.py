@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
@@ -152,56 +151,24 @@ def varlen_document_attention(
 
 # ---- the KV-cache path and FlexAttention -------------------------------------------------------------
 
-MASKED_ATTENTION = ("sdpa", "matmul", "reduction")   # the kernels masked_attention can use
-
-
 def masked_attention(
     q: torch.Tensor,                    # (B, nh, T, hs)
     k: torch.Tensor, v: torch.Tensor,   # (B, nkv, L, hs): a whole KV cache; nh is a multiple of nkv
-    mask: torch.Tensor,                 # (B, 1, T, L') bool (True: may attend) or additive float; L' <= L
-    kernel: str = "sdpa",               # one of MASKED_ATTENTION
+    mask: torch.Tensor,                 # (B, 1, T, L) bool: True where the query may attend to the slot
 ) -> torch.Tensor:
-    """(B, nh, T, hs) attention under an explicit mask (the KV-cache path), over the first L' slots only.
+    """(B, nh, T, hs) attention under an explicit mask (the KV-cache path), through SDPA's fused kernels.
     With grouped-query attention the g = nh / nkv query heads that share a key head are stacked along the
     query axis, so that the keys and values are read once and never copied to nh heads (SDPA's enable_gqa
-    would fall back to its math kernel, which copies them, as soon as there is a mask).
-
-    kernel: "sdpa" calls SDPA's fused kernels; "matmul" writes it as two matmuls around an fp32 softmax, and
-    "reduction" as broadcast products summed in fp32, so that a compiler can fuse mask, scale and softmax
-    (both are meant for a decode step's single query: "reduction" materialises (B, nkv, g*T, L', hs)
-    when run eagerly)."""
+    would fall back to its math kernel, which copies them, as soon as there is a mask)."""
     B, nh, T, hs = q.shape
     nkv = k.shape[1]
-    L = mask.shape[-1]
-    if L < k.shape[2]:
-        k, v = k[:, :, :L], v[:, :, :L]      # views: the slots past L' are never read
     g = nh // nkv
     if g > 1:
         # query head h = kv * g + i reads key head kv; stacked row i * T + t is query t of head i in group kv
         q = q.reshape(B, nkv, g * T, hs)
-        mask = mask.repeat(1, 1, g, 1) if T > 1 else mask                       # (B, 1, g*T or 1, L')
-    if kernel == "sdpa":
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)             # (B, nkv, g*T, hs)
-    elif kernel == "matmul":
-        scores = (q @ k.transpose(-2, -1)).float() * hs ** -0.5                 # (B, nkv, g*T, L')
-        probs = _masked_softmax(scores, mask).to(v.dtype)
-        y = probs @ v
-    elif kernel == "reduction":
-        scores = (q.float()[:, :, :, None, :] * k.float()[:, :, None]).sum(-1) * hs ** -0.5   # (B, nkv, g*T, L')
-        probs = _masked_softmax(scores, mask)
-        y = (probs[..., None] * v.float()[:, :, None]).sum(-2).to(q.dtype)     # (B, nkv, g*T, hs)
-    else:
-        raise ValueError(f"unknown masked attention kernel {kernel!r}; use one of {MASKED_ATTENTION}")
+        mask = mask.repeat(1, 1, g, 1) if T > 1 else mask                       # (B, 1, g*T or 1, L)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)                 # (B, nkv, g*T, hs)
     return y.reshape(B, nh, T, hs)   # not view: SDPA's fp32 output can be strided (B, g*T, nkv, hs)
-
-
-def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """fp32 softmax over the last axis of scores, under a bool or additive mask."""
-    if mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, -math.inf)
-    else:
-        scores = scores + mask.float()
-    return scores.softmax(dim=-1)
 
 
 # The block mask of the last document_ids seen: every layer of one forward passes the same tensor, so it is

@@ -69,7 +69,7 @@ class CausalSelfAttention(nn.Module):
             y = causal_attention(q, k, v, document_ids)
         else:
             k, v = self.kv_cache.update(cache_step.slots, k, v)            # (B, nh, L, hs)
-            y = masked_attention(q, k, v, cache_step.mask, cache_step.attention)
+            y = masked_attention(q, k, v, cache_step.mask)
         return y.transpose(1, 2).contiguous().view(B, T, C)      # (B, nh, T, hs) -> (B, T, C)
 
 

@@ -26,15 +26,12 @@ class CacheStep:
     # (B, T) int64: the cache slot each new token's key and value go to; or (T,) when every row writes the
     # same slots (generation), which index_copy_ writes without a (B, nkv, T, hs) index
     slots: torch.Tensor
-    # (B, 1, T, L') bool, True where the query may attend to the slot; or additive float (0 or -inf) in the
-    # queries' dtype. Attention reads the first L' <= L slots only, so a decode step early in a long cache
-    # can skip the slots no token has reached yet.
+    # (B, 1, T, L) bool, True where the query may attend to the slot
     mask: torch.Tensor
     # rotary models only. None: keys are cached rotated at their own positions (generation).
     # Set: keys are cached unrotated and rotated on every read by these cos, sin (B, L, hs), so that a
     # slot's position can change from step to step (cached sliding windows use window-relative positions).
     key_rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-    attention: str = "sdpa"        # how masked_attention computes (fastppl.models.attention.MASKED_ATTENTION)
 
 
 class KVCache(nn.Module):

@@ -151,7 +151,7 @@ class Attention(nn.Module):
             k, v = self.kv_cache.update(cache_step.slots, k, v)            # (B, nkv, L, hs)
             if cache_step.key_rope is not None:
                 k = apply_rotary(k, *cache_step.key_rope)   # cached unrotated: rotated here at the step's positions
-            y = masked_attention(q, k, v, cache_step.mask, cache_step.attention)
+            y = masked_attention(q, k, v, cache_step.mask)
         y = y.transpose(1, 2).contiguous().view(B, T, -1)                  # (B, nh, T, hs) -> (B, T, nh * hs)
         return self.o_proj(y)
 
