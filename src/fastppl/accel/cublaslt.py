@@ -34,7 +34,7 @@ CONFIG_NAMES = {0: "id", 1: "tile", 2: "split_k", 3: "reduction", 4: "swizzle", 
 WORKSPACE_BYTES = 32 << 20
 # the workspace allowances the tuner asks the heuristic's candidates for. Each candidate with a workspace is
 # preceded by a memset of a few bytes; adding the no-workspace candidates (limit 0: 60 -> 36 memsets a GPT-2 batch)
-# moved nothing (33.174 vs 33.168 ms a batch, H100, session 18) and cost 0.2 s more timing
+# moved nothing (33.174 vs 33.168 ms a batch, H100) and cost 0.2 s more timing
 WORKSPACE_LIMITS = (WORKSPACE_BYTES,)
 _DATA_TYPES = {torch.bfloat16: R_16BF, torch.float16: R_16F}
 ALIGNMENT = 256   # the heuristic's default minimum alignment of every operand's address, in bytes
@@ -215,7 +215,7 @@ MAX_TUNED_PRODUCTS = 16    # bounds the timing when batches come in many shapes 
 def time_candidates(trial, indices: list[int], rounds: int = 5, calls: int = 3) -> dict[int, float]:
     """{index: median ms of trial(index)} over rounds that each time every candidate in turn, so that the GPU's
     clock drift (boost at first, then the power cap) falls on all alike: timed one after another, the first
-    candidates ran at a higher clock and were picked over faster ones (H100, session 18)."""
+    candidates ran at a higher clock and were picked over faster ones (H100)."""
     for i in indices:
         trial(i)
     events = {i: [] for i in indices}
