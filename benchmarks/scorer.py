@@ -39,7 +39,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def plan_variants(names, model, device, dtype, rows: int, log) -> dict:
+def plan_variants(names, model, device, dtype, log) -> dict:
     """{name: (Acceleration, fusions wanted, TuningChoice or None)} for the variants that apply here."""
     default_loss = resolve_loss("auto", device)
     cuda = device.type == "cuda"
@@ -53,7 +53,7 @@ def plan_variants(names, model, device, dtype, rows: int, log) -> dict:
                    "takes minutes")
         tuning = None
         if name == "tuned" and why is None:
-            tuning = choose_tuning("on", model, device, dtype, {rows: rows}, compiled=False)
+            tuning = choose_tuning("on", model, device, dtype, compiled=False)
             if tuning.mode == "off":
                 why = tuning.reason
         if why is not None:
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     ids = torch.randint(0, model.vocab_size, (B, T + 1), device=device,
                         generator=torch.Generator(device=device).manual_seed(0))
     batch = (ids[:, :T].contiguous(), ids[:, 1:].contiguous(), torch.ones(B, T, dtype=torch.bool, device=device))
-    plans = plan_variants(names, model, device, dtype, B * T, print)
+    plans = plan_variants(names, model, device, dtype, print)
 
     times = {name: [] for name in plans}
     peaks, nlls, notes, score_fns = {}, {}, {}, {}

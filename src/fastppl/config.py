@@ -47,7 +47,7 @@ class EvalConfig:
     dtype: str = "auto"                 # auto = bf16 on CUDA, fp32 on CPU
     backend: str = "auto"               # auto = native when the architecture has one, else hf
     compile: str = "auto"               # auto | on | off
-    tune_products: str = "auto"         # auto | on | off: cuBLASLt's fastest candidate per product, see accel.cublaslt
+    tune_products: str = "off"          # on | off: cuBLASLt's fastest candidate per product, see accel.cublaslt
     loss: str = "auto"                  # auto | chunked | fused (Triton, CUDA)
     loss_chunk_rows: int = 8192         # chunked: rows of the output projection computed at once
     kv_cache: str = "auto"              # sliding windows on rotary models: reuse keys/values (on) or not; auto = off
@@ -73,8 +73,8 @@ class EvalConfig:
             raise FastpplError(f"unknown --errors {self.errors!r}; use strict or replace")
         if self.compile not in ("auto", "on", "off"):
             raise FastpplError(f"unknown --compile {self.compile!r}; use auto, on or off")
-        if self.tune_products not in ("auto", "on", "off"):
-            raise FastpplError(f"unknown --tune-products {self.tune_products!r}; use auto, on or off")
+        if self.tune_products not in ("on", "off"):
+            raise FastpplError(f"unknown --tune-products {self.tune_products!r}; use on or off")
         if self.kv_cache not in ("auto", "on", "off"):
             raise FastpplError(f"unknown --kv-cache {self.kv_cache!r}; use auto, on or off")
         if self.batch_size != "auto" and (not isinstance(self.batch_size, int) or self.batch_size < 1):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -210,11 +209,7 @@ def score(run: Run, model: nn.Module, plan: WindowPlan, acceleration: Accelerati
     on_batch = batch_hook(run, plan, plans_here, progress, checkpointer, sums, start_batch)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    positions_by_rows = Counter()   # a batch's products have its positions as rows; this process's batches only
-    for batch_plan in plans_here[start_batch:]:
-        positions_by_rows[batch_plan.n_rows * batch_plan.seq_len] += batch_plan.n_rows * batch_plan.seq_len
-    tuning = choose_tuning(config.tune_products, model, device, run.dtype, positions_by_rows,
-                           acceleration.compiled, use_kv_cache)
+    tuning = choose_tuning(config.tune_products, model, device, run.dtype, acceleration.compiled, use_kv_cache)
     batch_size_reason = batches.reason
     started = time.perf_counter()
     with tuned_products(model, tuning) as products:

@@ -80,12 +80,12 @@ def score_fn_for(model: nn.Module, acceleration: Acceleration, chunk_rows: int =
     return compile_score_fn(score_fn) if acceleration.compiled else score_fn
 
 
-def choose_tuning(setting: str, model: nn.Module, device: torch.device, dtype: torch.dtype,
-                  positions_by_rows: dict[int, int], compiled: bool, kv_cache: bool = False) -> cublaslt.TuningChoice:
+def choose_tuning(setting: str, model: nn.Module, device: torch.device, dtype: torch.dtype, compiled: bool,
+                  kv_cache: bool = False) -> cublaslt.TuningChoice:
     """--tune-products for this run: tuned cuBLASLt products for fastppl's native models' eager batches only."""
     from ..models.gpt2 import GPT2
     from ..models.llama import Llama
-    tuning = cublaslt.use_tuning(setting, device, dtype, positions_by_rows, compiled)
+    tuning = cublaslt.use_tuning(setting, device, dtype, compiled)
     if tuning.mode != "off" and not isinstance(model, (GPT2, Llama)):
         return cublaslt.TuningChoice("off", "torch's picks (tuning is for fastppl's native models)")
     if tuning.mode != "off" and kv_cache:
@@ -101,7 +101,7 @@ def tuned_products(model: nn.Module, tuning: cublaslt.TuningChoice) -> Iterator[
         yield lambda: tuning.reason
         return
     linear.route_linears(model)
-    tuner = linear.start_tuning(cublaslt.picks_store(), tuning.mode == "time", tuning.timed_rows)
+    tuner = linear.start_tuning(cublaslt.picks_store())
     try:
         yield lambda: f"{tuning.reason}: {tuner.summary()}"
     finally:

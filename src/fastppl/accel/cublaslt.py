@@ -204,10 +204,8 @@ class LinearPlan:
                 if config.get("split_k", 1) <= 1 and config.get("reduction", 0) == 0]
 
 
-# auto times a shape's candidates when this process runs this many positions at it, else takes stored picks only.
-# Measured on an H100 at GPT-2's shapes: timing costs ~0.3 s once and saves ~1.4-2 % of the scoring time, ~17 ms
-# per 2 M tokens
-TUNE_MIN_TOKENS = 33_554_432
+# Measured at GPT-2's shapes: timing costs ~0.3 s once per shape and saves ~1.2 % (H200) to ~2 % (H100) of the
+# scoring time; torch's TunableOp, which only offers cuBLAS's default kernel on CUDA, saves nothing
 MIN_TUNED_ROWS = 4096      # below this a product is latency-bound and the candidates differ by noise
 MAX_TUNED_PRODUCTS = 16    # bounds the timing when batches come in many shapes (GPT-2: four products a shape)
 
@@ -272,14 +270,11 @@ class ProductTuner:
     """The fastest one-pass cuBLASLt candidate for each product shape this run meets, timed at the shape's first
     call on its operands, or read from `store` (picks of an earlier run on the same GPU and cuBLASLt version).
     Only candidates whose result equals torch's bit for bit on those operands are kept. timing_allowed=False takes
-    stored picks only; timed_rows, when given, limits timing to products of those row counts (the shapes of
-    enough batches to repay it). Other products run torch's call."""
+    stored picks only. Other products run torch's call."""
 
-    def __init__(self, store: Optional[Path], timing_allowed: bool = True,
-                 timed_rows: Optional[set[int]] = None):
+    def __init__(self, store: Optional[Path], timing_allowed: bool = True):
         self.store = store
         self.timing_allowed = timing_allowed
-        self.timed_rows = timed_rows
         self.plans: dict[tuple, Optional[LinearPlan]] = {}
         self.tuned = self.reused = self.dropped = self.untuned_for_memory = 0
         self.tuning_seconds = 0.0
@@ -342,7 +337,7 @@ class ProductTuner:
         return plan
 
     def _timed_plan(self, product: Product) -> Optional[LinearPlan]:
-        if not self.timing_allowed or (self.timed_rows is not None and product.key[0] not in self.timed_rows) \
+        if not self.timing_allowed \
                 or sum(p is not None for p in self.plans.values()) >= MAX_TUNED_PRODUCTS:
             return None
         started = time.perf_counter()
@@ -372,32 +367,19 @@ class ProductTuner:
 
 @dataclass
 class TuningChoice:
-    mode: str                           # "time" (time new shapes, reuse stored picks), "stored" or "off"
+    mode: str     # "time" (time new shapes, reuse stored picks) or "off"
     reason: str
-    timed_rows: Optional[set[int]] = None   # "time" under auto: the product row counts worth timing
 
 
-def use_tuning(setting: str, device: torch.device, dtype: torch.dtype, positions_by_rows: dict[int, int],
-               compiled: bool) -> TuningChoice:
-    """--tune-products auto|on|off. positions_by_rows: {a batch's positions (its products' rows): the positions
-    this process runs in batches of that size}. auto times a shape's candidates only when the positions run at
-    that shape repay it (TUNE_MIN_TOKENS), and otherwise takes stored picks."""
+def use_tuning(setting: str, device: torch.device, dtype: torch.dtype, compiled: bool) -> TuningChoice:
+    """--tune-products on|off: opt-in, since it buys a few per cent of the scoring time for a ctypes binding."""
     if setting == "off":
         return TuningChoice("off", "torch's cuBLAS picks (--tune-products off)")
     if device.type != "cuda" or dtype not in _DATA_TYPES:
         return TuningChoice("off", "torch's picks (tuning is for 16-bit products on CUDA)")
     if compiled:
         return TuningChoice("off", "torch.compile's products (tuning runs eager only)")
-    if setting == "on":
-        return TuningChoice("time", "on (--tune-products on)")
-    worth = {rows for rows, positions in positions_by_rows.items() if positions >= TUNE_MIN_TOKENS}
-    if worth:
-        return TuningChoice("time", "on (auto)", worth)
-    too_few = (f"{sum(positions_by_rows.values()):,} tokens are too few to repay timing candidates; it pays from "
-               f"{TUNE_MIN_TOKENS:,} at one batch shape")
-    if not read_picks(picks_store()):
-        return TuningChoice("off", f"torch's cuBLAS picks (auto: {too_few}, and no picks are stored)")
-    return TuningChoice("stored", f"stored picks only (auto: {too_few})")
+    return TuningChoice("time", "on (--tune-products on)")
 
 
 def picks_store() -> Path:

@@ -16,11 +16,10 @@ from .cublaslt import (ALIGNMENT, EPILOGUE_BIAS, EPILOGUE_DEFAULT, EPILOGUE_GELU
 _tuner: Optional[ProductTuner] = None
 
 
-def start_tuning(store: Optional[Path], timing_allowed: bool = True,
-                 timed_rows: Optional[set[int]] = None) -> ProductTuner:
+def start_tuning(store: Optional[Path], timing_allowed: bool = True) -> ProductTuner:
     """Route `linear` through tuned cuBLASLt plans from now on (until stop_tuning)."""
     global _tuner
-    _tuner = ProductTuner(store, timing_allowed, timed_rows)
+    _tuner = ProductTuner(store, timing_allowed)
     return _tuner
 
 

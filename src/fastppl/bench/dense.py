@@ -141,10 +141,10 @@ def _time_fastppl(model, rows: np.ndarray, batch_size: int, device, acceleration
 def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_len: Optional[int] = None,
               batch_size: Optional[int] = None, device_name: str = "auto", peers: Optional[list[str]] = None,
               loss: str = "auto", naive_tokens: Optional[int] = None, log: Callable[[str], None] = print,
-              variants: bool = False, compile: str = "auto", tune_products: str = "auto") -> dict:
+              variants: bool = False, compile: str = "auto", tune_products: str = "off") -> dict:
     """variants: also time fastppl with the other loss and compile choices (for docs/BENCHMARKS.md).
     compile: fastppl's row compiles its scorer or not (auto: as `fastppl eval` would for this many tokens).
-    tune_products: fastppl's row times cuBLASLt's candidates or not (fastppl.accel.apply.choose_tuning, as eval).
+    tune_products: fastppl's row times cuBLASLt's candidates (on) or not (fastppl.accel.apply.choose_tuning).
     seq_len, batch_size and peers default by architecture (DEFAULTS)."""
     from ..engine.loss import resolve_loss
     from ..models.llama import Llama
@@ -228,8 +228,7 @@ def _time_fastppl_rows(native, rows: np.ndarray, batch_size: int, device: torch.
     reset_peak(device)
     acceleration = choose_acceleration(model, device, model.lm_head.weight.dtype, loss=loss, compile=compile,
                                        n_scored=n_positions, n_positions=n_positions)
-    tuning = choose_tuning(tune_products, model, device, model.lm_head.weight.dtype,
-                           {batch_size * (rows.shape[1] - 1): n_positions}, acceleration.compiled)
+    tuning = choose_tuning(tune_products, model, device, model.lm_head.weight.dtype, acceleration.compiled)
     s, nll, tok, compile_s, products = _time_fastppl(model, rows, batch_size, device, acceleration, tuning=tuning)
     how = "compiled" if acceleration.compiled else f"eager{', MLP epilogue, fused norms' if on_cuda else ''}"
     record(BenchRow("fastppl", tok, s, nll, peak_bytes(device),

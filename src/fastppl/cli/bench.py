@@ -13,7 +13,7 @@ SCORING_ONLY = {"--tokens": ("tokens", 1_048_576), "--naive-tokens": ("naive_tok
                 "--loss": ("loss", "auto"), "--variants": ("variants", False), "--nproc": ("nproc", None),
                 "--tokenizer": ("tokenizer", None), "--corpus": ("corpus", "dense"),
                 "--documents": ("documents", 10_000), "--compile": ("compile", "auto"), "--rounds": ("rounds", 1),
-                "--tune-products": ("tune_products", "auto")}
+                "--tune-products": ("tune_products", "off")}
 GENERATE_ONLY = {"--batch-sizes": ("batch_sizes", "1,64"), "--new-tokens": ("new_tokens", 256),
                  "--prompt-tokens": ("prompt_tokens", 32)}
 
@@ -71,9 +71,9 @@ def _add_scoring_arguments(p) -> None:
                                        "(default: the model's own; gpt2's for random:PRESET)")
     p.add_argument("--compile", default=SCORING_ONLY["--compile"][1], choices=["auto", "on", "off"],
                    help="compile fastppl's scorer (default: %(default)s: as eval would for this many tokens)")
-    p.add_argument("--tune-products", default=SCORING_ONLY["--tune-products"][1], choices=["auto", "on", "off"],
-                   help="time cuBLASLt's candidate kernels for fastppl's products (default: %(default)s: as eval "
-                        "would for this many tokens)")
+    p.add_argument("--tune-products", default=SCORING_ONLY["--tune-products"][1], choices=["on", "off"],
+                   help="time cuBLASLt's candidate kernels for fastppl's products, as eval --tune-products on "
+                        "(default: %(default)s)")
     p.add_argument("--rounds", type=at_least(1), default=SCORING_ONLY["--rounds"][1],
                    help="run every peer this many times, one round after another; the table gives medians and the "
                         "rounds' range (default: %(default)s; 3 for a figure to quote)")

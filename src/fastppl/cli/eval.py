@@ -65,10 +65,10 @@ def _add_scoring_arguments(p) -> None:
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                    help="torch.compile the scorer (default: %(default)s: on CUDA, for runs long enough to repay "
                         "compiling)")
-    p.add_argument("--tune-products", default="auto", choices=["auto", "on", "off"],
+    p.add_argument("--tune-products", default="off", choices=["on", "off"],
                    help="time cuBLASLt's candidate kernels for each product shape once and keep the fastest "
-                        "(native models on CUDA, 16-bit, eager; picks are stored in fastppl's cache) (default: "
-                        "%(default)s: time them for runs long enough to repay it, else use stored picks only)")
+                        "(native models on CUDA, 16-bit, eager; picks are stored in fastppl's cache and reused): "
+                        "1-2 %% of the scoring time (default: %(default)s)")
     p.add_argument("--loss", default="auto", choices=["auto", "chunked", "fused"],
                    help="per-token loss: chunked projection, or the fused Triton kernel (CUDA) (default: "
                         "%(default)s: fused where CUDA and Triton are available, else chunked)")
