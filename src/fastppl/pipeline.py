@@ -81,6 +81,7 @@ def evaluate(config: EvalConfig) -> dict:
     run.stage_done("tokenize")
     plan = plan_corpus(tokens, tokenizer, config.window, config.stride, config.bos, ctx)
     corpus_digest = corpus_sha256(documents)   # the report's, and the resume fingerprint's
+    run.stage_started = time.perf_counter()    # planning is no stage of its own: "prepare" starts here
     model, acceleration, score_fn = accelerate(run, model, plan)
     run.stage_done("prepare")
     for thread in warm_ups:
@@ -93,7 +94,7 @@ def evaluate(config: EvalConfig) -> dict:
     run.stage_seconds["scoring"] = scored.seconds
     return assemble_result(config, run.device, run.dtype, documents, corpus_digest, tokens, tokenizer, model, plan,
                            acceleration, scored, ctx=ctx, kv_cache=kv_cache_reason, use_kv_cache=use_kv_cache,
-                           stage_seconds=run.stage_seconds, wall_seconds=time.perf_counter() - started,
+                           stage_seconds=run.stage_seconds, started=started,
                            world_size=dist.world_size if dist else None)
 
 
@@ -211,8 +212,8 @@ def score(run: Run, model: nn.Module, plan: WindowPlan, acceleration: Accelerati
         torch.cuda.reset_peak_memory_stats(device)
     tuning = choose_tuning(config.tune_products, model, device, run.dtype, acceleration.compiled, use_kv_cache)
     batch_size_reason = batches.reason
-    started = time.perf_counter()
     with tuned_products(model, tuning) as products:
+        started = time.perf_counter()   # after the linears are routed to the tuner
         if use_kv_cache:
             # each window runs over its new tokens only (fastppl.engine.cached_sliding)
             score_cached_sliding(

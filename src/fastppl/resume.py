@@ -30,8 +30,9 @@ from .report.files import write_atomic
 
 CHECKPOINT_FILE = "checkpoint.npz"
 FORMAT_VERSION = 2   # 2: every DeviceSums field is checkpointed (1 lacked the squared sums)
-# EvalConfig fields that do not change what is computed: where results go and how often to checkpoint
-NOT_IN_FINGERPRINT = ("quiet", "resume", "per_doc", "checkpoint_seconds", "checkpoint_batches")
+# EvalConfig fields that do not change what is computed: where results go, how often to checkpoint, and whether
+# products are tuned (a tuned product gives torch's result bit for bit)
+NOT_IN_FINGERPRINT = ("quiet", "resume", "per_doc", "checkpoint_seconds", "checkpoint_batches", "tune_products")
 SUM_FIELDS = tuple(f.name for f in dataclasses.fields(DeviceSums))   # all of them, so none can be forgotten
 
 

@@ -1,10 +1,11 @@
 """Linear products through cuBLASLt's fastest candidate instead of its first guess (`--tune-products on`). torch
 asks cuBLASLt's heuristic for one algorithm per product; at GPT-2's scoring shapes on an H100 that pick (a 192 x 192
-tile) ran 5-10 % slower than another of the heuristic's eight candidates for each of the four products. ProductTuner times the candidates once per shape
-on the run's own operands and keeps the fastest, and stores the pick (cache_dir()/cublaslt_picks.json), so that a
-later run of the same shapes on the same GPU and cuBLASLt takes it without timing. Only candidates that sum each
-dot product in one pass (no split-K) take part, so every pick gives torch's pick's result bit for bit
-(tests/test_gpu.py). fastppl.accel.linear.linear routes products here while a tuner runs.
+tile) ran 5-10 % slower than another of the heuristic's eight candidates for each of the four products. ProductTuner
+times the candidates once per shape on the run's own operands and keeps the fastest, and stores the pick
+(cache_dir()/cublaslt_picks.json), so that a later run of the same shapes on the same GPU and cuBLASLt takes it
+without timing. Only candidates that sum each dot product in one pass (no split-K) take part, so every pick gives
+torch's pick's result bit for bit (tests/test_gpu.py). fastppl.accel.linear.linear routes products here while a
+tuner runs.
 
 cuBLASLt is reached through ctypes, in the copy torch loaded. Row-major torch tensors are read as column-major:
 out (M, N) = x (M, K) @ weight (N, K)^T is, column-major, out^T (N, M) = op_T(weight as stored (K, N)) . x^T (K, M)."""
@@ -373,10 +374,10 @@ class TuningChoice:
 
 def use_tuning(setting: str, device: torch.device, dtype: torch.dtype, compiled: bool) -> TuningChoice:
     """--tune-products on|off: opt-in, since it buys a few per cent of the scoring time for a ctypes binding."""
-    if setting == "off":
-        return TuningChoice("off", "torch's cuBLAS picks (--tune-products off)")
     if device.type != "cuda" or dtype not in _DATA_TYPES:
         return TuningChoice("off", "torch's picks (tuning is for 16-bit products on CUDA)")
+    if setting == "off":
+        return TuningChoice("off", "torch's cuBLAS picks (--tune-products off)")
     if compiled:
         return TuningChoice("off", "torch.compile's products (tuning runs eager only)")
     return TuningChoice("time", "on (--tune-products on)")

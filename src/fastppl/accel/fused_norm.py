@@ -1,14 +1,13 @@
 """GPT-2's residual adds moved out of their own kernels, applied to a built model by swapping its forward.
-Every `x = x + proj(y)` is followed by a LayerNorm (the next sublayer's, or ln_f). Eager PyTorch writes
-proj(y), an add kernel reads it and x and writes the sum, and the LayerNorm reads the sum back. Here the
-product is added into x in place by cuBLAS (addmm_ with beta = 1), and one Triton kernel per LayerNorm reads x
-once, adds back the projection biases (kept out of x as one fp32 vector, since a bias is the same for every
-row) and writes the normalisation only (the first LayerNorm, after the embeddings, also writes x). Measured
-on an H100: 35.51 -> 34.63 ms per GPT-2 batch of 64 x 1024 against separate add + LayerNorm kernels. The
-residual stream is rounded
-to the model dtype once per product (cuBLAS adds in fp32); the normalisation is computed in fp32, as torch's
-LayerNorm does. The plain forward is the reference (tests/accel/test_fused_norm.py, tests/test_gpu.py); KV-cache
-forwards (cache_step) keep the plain path."""
+Every `x = x + proj(y)` is followed by a LayerNorm (the next sublayer's, or ln_f). Eager PyTorch writes proj(y), an add
+kernel reads it and x and writes the sum, and the LayerNorm reads the sum back. Here the product is added into x in
+place by cuBLAS (addmm_ with beta = 1), and one Triton kernel per LayerNorm reads x once, adds back the projection
+biases (kept out of x as one fp32 vector, since a bias is the same for every row) and writes the normalisation only
+(the first LayerNorm, after the embeddings, also writes x). Measured on an H100: 35.51 -> 34.63 ms per GPT-2 batch
+of 64 x 1024 against separate add + LayerNorm kernels. The residual stream is rounded to the model dtype once per
+product (cuBLAS adds in fp32); the normalisation is computed in fp32, as torch's LayerNorm does. The plain forward
+is the reference (tests/accel/test_fused_norm.py, tests/test_gpu.py); KV-cache forwards (cache_step) keep the plain
+path."""
 from __future__ import annotations
 
 import os

@@ -198,12 +198,36 @@ def packed_kernel_agreement(model: nn.Module, documents: Sequence[np.ndarray], c
             "spans_vs_alone_total_rel": relative("spans", "alone"), "ids_vs_alone_total_rel": relative("ids", "alone")}
 
 
+class _ModeScorers:
+    """The scorer of each batching mode as eval builds it (fastppl.accel.apply): the fusions of its choice applied
+    to the model, and one compiled function shared by every mode that compiles."""
+
+    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, loss: str, compile: str,
+                 corpus: "ChunkedCorpus", n_documents: int):
+        self.model, self.device, self.dtype, self.loss, self.compile = model, device, dtype, loss, compile
+        self.n_scored, self.n_positions = corpus.n_tokens, int(corpus.window_lengths.sum())
+        self.n_documents = n_documents
+        self.compiled_fn = None
+
+    def choose(self, mode: str):
+        """(the acceleration, the score function) of a --batching mode; its fusions now applied to the model."""
+        from ..accel.apply import apply_fusions, choose_acceleration, score_fn_for
+        from ..accel.compile import allow_shapes
+        acceleration = apply_fusions(self.model, self.device, choose_acceleration(
+            self.model, self.device, self.dtype, loss=self.loss, compile=self.compile, batching=mode,
+            n_scored=self.n_scored, n_positions=self.n_positions, n_documents=self.n_documents))
+        if not acceleration.compiled:
+            return acceleration, score_fn_for(self.model, acceleration)
+        if self.compiled_fn is None:
+            self.compiled_fn = score_fn_for(self.model, acceleration)
+            allow_shapes(32)   # every mode's shapes share one compiled function: bucketed alone has up to ~10
+        return acceleration, self.compiled_fn
+
+
 def run_docs_bench(model_spec: str = "random:gpt2", n_documents: int = 10_000, ctx: int = 1024,
                    batch_size: int = 64, device_name: str = "auto", loss: str = "auto", compile: str = "auto",
                    seed: int = 0, log: Callable[[str], None] = print) -> dict:
-    from ..accel.compile import allow_shapes, compile_score_fn, model_family, use_compile
     from ..engine.loss import resolve_loss
-    from ..engine.score import make_score_fn
     from ..models.attention import document_attention_backend
     from ..models.loading import RANDOM_PREFIX, native_to_hf, random_native
     device = resolve_device(device_name)
@@ -227,13 +251,9 @@ def run_docs_bench(model_spec: str = "random:gpt2", n_documents: int = 10_000, c
     # the same weights in transformers' GPT2LMHeadModel (native_to_hf copies them), then both in dtype
     hf_model = native_to_hf(native).to(device=device, dtype=dtype).eval()
     model = native.to(dtype).eval()
-    # compile as eval would for a run of this size (auto), unless told
-    compiled, compile_reason = use_compile(compile, device, corpus.n_tokens, loss, model_family(native),
-                                           scored_share=corpus.n_tokens / int(corpus.window_lengths.sum()))
-    eager_score_fn = score_fn = make_score_fn(model, loss=loss)
-    if compiled:
-        score_fn = compile_score_fn(eager_score_fn)
-        allow_shapes(32)   # every mode's shapes share one compiled function: bucketed alone has up to ~10
+    # each mode runs what eval runs for a run of this size with that --batching (fastppl.accel.apply)
+    scorer = _ModeScorers(model, device, dtype, loss, compile, corpus, n_documents)
+    compile_reason = scorer.choose("padded")[0].compile_reason
     log(f"fastppl: {loss} loss, compile {compile_reason}, dtype {str(dtype).replace('torch.', '')}")
 
     results: list[ModeResult] = []
@@ -244,15 +264,14 @@ def run_docs_bench(model_spec: str = "random:gpt2", n_documents: int = 10_000, c
             f"{100 * result.padding_waste:6.1f} %  nll_sum {result.nll_sum:.6f}  {result.note}")
 
     for mode in BATCHING_MODES:
-        # packed rows take eval's path: eager on CUDA (see fastppl.pipeline), the kernel of document_attention
-        mode_score_fn = eager_score_fn if mode == "packed" and on_cuda else score_fn
-        result = time_fastppl_mode(mode, mode_score_fn, corpus, mode, ctx, batch_size, device)
+        # packed rows take eval's path: eager on CUDA, the kernel of document_attention
+        result = time_fastppl_mode(mode, scorer.choose(mode)[1], corpus, mode, ctx, batch_size, device)
         if mode == "packed":
             result.note = f"{document_attention_backend(device, dtype)} attention; " + result.note
         record(result)
     record(time_lm_eval_baseline(hf_model, corpus, batch_size, device))
     del hf_model
-    dense_result = time_fastppl_mode("dense", score_fn, dense, "padded", ctx, batch_size, device)
+    dense_result = time_fastppl_mode("dense", scorer.choose("padded")[1], dense, "padded", ctx, batch_size, device)
     dense_result.note = "the same tokens as one stream, full rows; " + dense_result.note
     record(dense_result)
     return docs_report(results, corpus.n_tokens, model=model_spec, documents=n_documents, ctx=ctx,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import platform
 import sys
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -83,8 +84,8 @@ def corpus_metrics(nll_sum: float, plan: WindowPlan, n_bytes: int, n_words: int)
 
 
 def how_it_ran(acceleration, scored: Scored, plan: WindowPlan, model: nn.Module, device: torch.device,
-               dtype: torch.dtype, use_kv_cache: bool) -> dict:
-    """Batching, attention, compile, fusions, products and batch size: each choice and why."""
+               dtype: torch.dtype, use_kv_cache: bool, window: dict, kv_cache: str) -> dict:
+    """Batching, attention, the windows, compile, fusions, products and batch size: each choice and why."""
     packed = acceleration.batching == "packed" and not use_kv_cache
     return {
         # the cached sliding path scores document rows of its own, not the planned batches
@@ -95,11 +96,14 @@ def how_it_ran(acceleration, scored: Scored, plan: WindowPlan, model: nn.Module,
         "document_attention": document_attention_backend(device, dtype) if packed else None,
         "document_attention_fallback": varlen_failure(),   # why varlen gave way to FlexAttention, if it did
         "padding_waste": None if use_kv_cache else padding_waste(scored.plans, plan.window_lengths),
+        **window, "dtype": str(dtype).replace("torch.", ""),
         # native, or transformers and why (asked for, or what the native model lacks)
         "backend": f"transformers ({model.why})" if isinstance(model, HFCausalLM) else "native",
         "compile": acceleration.compile_reason, "mlp_epilogue": acceleration.mlp_epilogue,
         "residual_norms": acceleration.residual_norms, "products": scored.products, "loss": acceleration.loss,
-        "batch_size": scored.batch_size, "batch_size_reason": scored.batch_size_reason,
+        "batch_size": scored.batch_size, "batch_size_reason": scored.batch_size_reason, "kv_cache": kv_cache,
+        "tokens_forwarded": plan.n_scored if use_kv_cache else plan.n_positions,   # positions run through the model
+        "tokens_forwarded_without_cache": plan.n_positions,
     }
 
 
@@ -113,30 +117,31 @@ def per_document(documents: list[Document], plan: WindowPlan, sums: DeviceSums, 
 def assemble_result(config, device: torch.device, dtype: torch.dtype, documents: list[Document], corpus_digest: str,
                     tokens: list[np.ndarray], tokenizer: Tokenizer, model: nn.Module, plan: WindowPlan,
                     acceleration, scored: Scored, *, ctx: int, kv_cache: str, use_kv_cache: bool,
-                    stage_seconds: dict, wall_seconds: float, world_size: Optional[int]) -> dict:
-    """The report's fields ("_per_token" and "_per_doc" hold what goes to --per-token and --per-doc)."""
+                    stage_seconds: dict, started: float, world_size: Optional[int]) -> dict:
+    """The report's fields ("_per_token" and "_per_doc" hold what goes to --per-token and --per-doc); started:
+    the run's perf_counter() at its start, for wall_seconds."""
     bytes_by_document = scored_bytes_by_document(documents, tokens, plan, tokenizer)
     words_by_document = np.array([lm_eval_word_count(d.text) for d in documents], dtype=np.int64)
     scored_here = plan.n_scored - scored.scored_before
+    window = {"ctx": ctx, "stride": sliding_stride(config.stride, ctx) if config.window == "sliding" else None,
+              "window": config.window}
+    positions = by_position(scored.sums)
     result = {
         **corpus_metrics(scored.nll_sum, plan, int(bytes_by_document[plan.scored_documents].sum()),
                          int(words_by_document[plan.scored_documents].sum())),
         "documents": len(documents), "corpus_sha256": corpus_digest,
         "documents_skipped": len(documents) - len(plan.scored_documents), "windows": len(plan.refs),
-        **how_it_ran(acceleration, scored, plan, model, device, dtype, use_kv_cache),
-        "ctx": ctx, "stride": sliding_stride(config.stride, ctx) if config.window == "sliding" else None,
-        "window": config.window, "dtype": str(dtype).replace("torch.", ""), "kv_cache": kv_cache,
-        "tokens_forwarded": plan.n_scored if use_kv_cache else plan.n_positions,   # positions run through the model
-        "tokens_forwarded_without_cache": plan.n_positions,
-        "wall_seconds": wall_seconds, "scoring_seconds": scored.seconds, "stage_seconds": stage_seconds,
+        **how_it_ran(acceleration, scored, plan, model, device, dtype, use_kv_cache, window, kv_cache),
+        "wall_seconds": time.perf_counter() - started, "scoring_seconds": scored.seconds,
+        "stage_seconds": stage_seconds,
         # this run's tokens over this run's time (a resumed run timed only what it scored; a finished one, nothing)
         "tokens_per_second": scored_here / scored.seconds if scored.seconds > 0 and scored_here > 0 else float("nan"),
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "peak_host_memory_bytes": peak_host_memory_bytes(),
-        "per_doc_path": config.per_doc,
+        "nll_by_position": positions["nll_by_position"], "per_doc_path": config.per_doc,
         "resumed_from_batch": scored.start_batch if config.resume else None,
         "windows_scored_this_run": int(sum(len(p.windows) for p in scored.plans[scored.start_batch:])),
-        **by_position(scored.sums),
+        "nll_by_position_std": positions["nll_by_position_std"], "tokens_by_position": positions["tokens_by_position"],
         "config": config.to_dict(), "environment": environment(device),
     }
     if world_size:
