@@ -20,19 +20,15 @@ import torch.nn.functional as F
 
 from fastppl.engine.loss import chunked_token_nll, fused_loss_available
 from fastppl.engine.precision import DTYPE_BY_NAME, resolve_device
+from fastppl.bench.timers import synchronize
 
 SHAPES = {"gpt2": (65_536, 768, 50_257), "llama-1b": (16_384, 2_048, 128_256), "tiny": (256, 64, 1_000)}
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_ms(fn, device: torch.device, reps: int) -> float:
     """Median ms of `reps` calls of fn, after one untimed call (CUDA events on a GPU, a wall clock on the CPU)."""
     fn()
-    sync(device)
+    synchronize(device)
     times = []
     for _ in range(reps):
         if device.type == "cuda":

@@ -30,13 +30,9 @@ from fastppl.accel.apply import Acceleration, apply_fusions, choose_tuning, scor
 from fastppl.engine.loss import resolve_loss
 from fastppl.engine.precision import resolve_device, resolve_dtype
 from fastppl.models.loading import random_native
+from fastppl.bench.timers import synchronize
 
 VARIANTS = ("eager", "eager-plain", "compiled", "chunked-eager", "chunked-compiled", "tuned")
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def plan_variants(names, model, device, dtype, log) -> dict:
@@ -114,11 +110,11 @@ def main(argv=None) -> int:
                         torch.cuda.reset_peak_memory_stats(device)
                     for _ in range(args.warmup):
                         nll = score(*batch)
-                    sync(device)
+                    synchronize(device)
                     started = time.perf_counter()
                     for _ in range(args.batches):
                         nll = score(*batch)
-                    sync(device)
+                    synchronize(device)
                     times[name].append((time.perf_counter() - started) / args.batches * 1e3)
                     if round_index == 0:
                         peaks[name] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None

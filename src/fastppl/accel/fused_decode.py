@@ -302,12 +302,11 @@ def _addresses(model: GPT2) -> tuple:
     return tuple(p.data_ptr() for p in model.parameters()) + tuple(t.data_ptr() for c in caches for t in (c.k, c.v))
 
 
-def fused_decoder(model: GPT2, dependent_launch: bool = True) -> FusedGPT2Decoder:
+def fused_decoder(model: GPT2) -> FusedGPT2Decoder:
     """The decoder of the model's attached cache, built on first use and reused while the weights and
-    caches stay where its graph reads them (and the launch mode is the one asked for)."""
+    caches stay where its graph reads them."""
     cache = model.blocks[0].attn.kv_cache
     decoder = _decoders.get(cache)
-    if (decoder is None or decoder.model_ref() is not model or decoder.addresses != _addresses(model)
-            or decoder.dependent_launch != uses_dependent_launch(dependent_launch, cache.k.device)):
-        decoder = _decoders[cache] = FusedGPT2Decoder(model, dependent_launch=dependent_launch)
+    if decoder is None or decoder.model_ref() is not model or decoder.addresses != _addresses(model):
+        decoder = _decoders[cache] = FusedGPT2Decoder(model)
     return decoder

@@ -108,7 +108,7 @@ def _time_labels_peer(model, rows: np.ndarray, batch_size: int, device, autocast
     return seconds, nll, n_rows * (T - 1)
 
 
-def _time_fastppl(model, rows: np.ndarray, batch_size: int, device, acceleration, chunk_rows: int = 8192,
+def _time_fastppl(model, rows: np.ndarray, batch_size: int, device, acceleration,
                   tuning=None) -> tuple[float, float, int, float, str]:
     """(seconds, mean NLL, tokens, warm-up seconds, whose products ran) of fastppl's scorer with the transforms
     `fastppl eval` applies for this acceleration (fastppl.accel.apply); tuning: a TuningChoice, or None for
@@ -117,7 +117,7 @@ def _time_fastppl(model, rows: np.ndarray, batch_size: int, device, acceleration
     from ..accel.cublaslt import TuningChoice
     from ..engine.score import DeviceSums, score_batches
     T = rows.shape[1] - 1
-    score_fn = score_fn_for(model, apply_fusions(model, device, acceleration), chunk_rows)
+    score_fn = score_fn_for(model, apply_fusions(model, device, acceleration))
     n_rows = (len(rows) // batch_size) * batch_size
     ones = np.ones((batch_size, T), dtype=bool)
     index = np.full((batch_size, T), -1, dtype=np.int64)

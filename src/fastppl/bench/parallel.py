@@ -129,6 +129,22 @@ def run_row(report: dict, nproc: int, process_seconds: float, baseline: Optional
     return row
 
 
+def _model_family(spec: str) -> str:
+    """accel.compile.model_family of the model eval will build, read from the preset or config.json without
+    building it: "llama" for the Llama family, else "gpt2"."""
+    import json
+    from ..models.hf_convert import LLAMA_MODEL_TYPES
+    from ..models.llama import PRESETS as LLAMA_PRESETS
+    from ..models.loading import RANDOM_PREFIX
+    if spec.startswith(RANDOM_PREFIX):
+        return "llama" if spec[len(RANDOM_PREFIX):] in LLAMA_PRESETS else "gpt2"
+    try:
+        model_type = json.loads((Path(spec).expanduser() / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return "gpt2"   # a hub id, or a directory eval will report on
+    return "llama" if model_type in LLAMA_MODEL_TYPES else "gpt2"
+
+
 def _timed_runs(counts: list[int], eval_argv: Callable[[Path, Path], list[str]], n_written: int, vocab_size: int,
                 seq_len: int, batch_size: int, seed: int, device,
                 log: Callable[[str], None]) -> tuple[list, Optional[float], dict]:
@@ -189,7 +205,7 @@ def run_parallel_bench(
     # eval's auto choices for the whole corpus, made once and passed to every run: the short warm-up run
     # then compiles what the timed runs will (eval alone would not compile a run that short)
     loss = resolve_loss(loss, device)
-    compile_on, _reason = use_compile("auto", device, n_written, loss)
+    compile_on, _reason = use_compile("auto", device, n_written, loss, _model_family(model))
 
     def eval_argv(corpus: Path, json_path: Path) -> list[str]:
         return ["eval", "--model", model, "--tokenizer", tokenizer_name, "--data", str(corpus), "--ctx", str(seq_len),

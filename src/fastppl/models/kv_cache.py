@@ -57,10 +57,6 @@ class KVCache(nn.Module):
         self.v[rows, :, slots] = v.transpose(1, 2)
         return self.k, self.v
 
-    def reset(self) -> None:
-        self.k.zero_()
-        self.v.zero_()
-
 
 def attention_layers(model: nn.Module) -> list[nn.Module]:
     """The modules that can hold a cache (they declare a `kv_cache` attribute, None when uncached)."""
@@ -106,8 +102,3 @@ def remove_kv_cache(model: nn.Module) -> nn.Module:
     for layer in attention_layers(model):
         layer.kv_cache = None
     return model
-
-
-def reset_kv_cache(model: nn.Module) -> None:
-    for layer in attention_layers(model):
-        layer.kv_cache.reset()
