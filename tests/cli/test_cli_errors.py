@@ -231,11 +231,11 @@ def test_unknown_model(model, fragment, text, outputs, tokenizer_dir, capsys):
 
 @pytest.mark.parametrize("command", ["eval", "generate"])
 @pytest.mark.parametrize("model, fragment", [
-    ("random:nope", "unknown model random:nope; use one of random:gpt2"),   # was a hub failure for 'gpt2'
-    ("./typo-dir", "./typo-dir: no such model directory; check --model"),  # was "no such tokenizer directory"
+    ("random:nope", "unknown model random:nope; use one of random:gpt2"),   # not a hub failure for 'gpt2'
+    ("./typo-dir", "./typo-dir: no such model directory; check --model"),  # not "no such tokenizer directory"
 ])
 def test_a_bad_model_without_tokenizer_is_reported_as_the_model(command, model, fragment, text, outputs, capsys):
-    # the tokenizer is found from the model's name, and was looked for first
+    # the tokenizer is found from the model's name: the model's error must come first
     args = (["eval", "--data", str(text), "--json", str(outputs[0]), "--quiet"] if command == "eval"
             else ["generate", "--prompt", "Hello"])
     args += ["--model", model, "--device", "cpu"]
@@ -268,7 +268,7 @@ def test_batching_with_kv_cache_on_is_an_error_not_ignored(text, outputs, tokeni
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["--tokenizer", ""], "--tokenizer is empty"),                 # was taken as no --tokenizer
+    (["--tokenizer", ""], "--tokenizer is empty"),                 # not to be taken as no --tokenizer
     (["--device", "cpu:5"], "the CPU takes no index"),             # torch reads it as the one CPU
 ])
 def test_values_that_were_silently_read_as_others(args, fragment, text, outputs, capsys):
@@ -480,7 +480,7 @@ def test_one_output_that_cannot_be_written_leaves_none_of_the_others(tmp_path, t
     (["--loss-chunk-rows", 0], "--loss-chunk-rows must be at least 1"),
     (["--checkpoint-batches", 3], "apply with --resume only"),     # would be silently ignored
     (["--checkpoint-seconds", 5], "apply with --resume only"),
-    (["--text-field", "body"], "--text-field applies to .jsonl files and hf: datasets"),   # was ignored
+    (["--text-field", "body"], "--text-field applies to .jsonl files and hf: datasets"),   # not ignored
 ])
 def test_bad_options(extra, fragment, text, outputs, tokenizer_dir, capsys):
     _assert_user_error(*_main(capsys, _args(TINY, text, outputs, tokenizer_dir, *extra)), outputs, fragment)
@@ -593,11 +593,11 @@ def test_generate_nan_temperature_and_bench_zero_tokens(tokenizer_dir, capsys):
 
 
 @pytest.mark.parametrize("extra, fragment", [
-    (["--top-k", "5"], "--top-k applies to sampling"),                  # ran greedily, ignoring them
+    (["--top-k", "5"], "--top-k applies to sampling"),                  # not a greedy run ignoring them
     (["--top-p", "0.5", "--seed", "3"], "--top-p, --seed apply to sampling"),
-    (["--prompt", "caf\udce9"], "a --prompt is not valid UTF-8 text"),   # argv byte 0xe9: was a TypeError
-    (["--prompts", ""], "--prompts: empty path"),                       # was ignored beside --prompt
-    (["--model", ""], "--model is empty"),                              # was about the tokenizer ''
+    (["--prompt", "caf\udce9"], "a --prompt is not valid UTF-8 text"),   # argv byte 0xe9: no TypeError
+    (["--prompts", ""], "--prompts: empty path"),                       # not ignored beside --prompt
+    (["--model", ""], "--model is empty"),                              # not about the tokenizer ''
 ])
 def test_generate_options_that_would_be_ignored_or_crash(extra, fragment, tokenizer_dir, capsys):
     rc, err = _main(capsys, ["generate", "--model", TINY, "--tokenizer", str(tokenizer_dir), "--device", "cpu",
@@ -631,7 +631,7 @@ def test_json_path_with_a_trailing_slash_and_out_of_memory(tmp_path, tokenizer_d
     rc, err = _main(capsys, ["generate", "--model", TINY, "--tokenizer", str(tokenizer_dir), "--device", "cpu",
                              "--prompt", "hi", "--max-new-tokens", "2", "--json", str(tmp_path / "sub") + "/"])
     assert rc == 2 and "is a directory; give a file path" in err and err.count("\n") == 1, err
-    assert not (tmp_path / "sub").exists()     # was written as a file named sub, exit 0
+    assert not (tmp_path / "sub").exists()     # not written as a file named sub
     rc, err = _main(capsys, ["bench", "--generate", "--model", TINY, "--device", "cpu",
                              "--batch-sizes", str(10**11), "--new-tokens", "2"])
     # after bench's header line (progress): the error, one line, no traceback
@@ -734,7 +734,7 @@ def test_devices_torch_knows_but_fastppl_does_not_run_on(device, text, outputs, 
     (["--documents", "0", "--corpus", "docs"], "--documents: must be at least 1, got 0"),
 ])
 def test_bench_sizes_below_their_minimum(extra, fragment, capsys):
-    """0 used to mean "the default" (batch 64) or named a --seq the user never gave."""
+    """0 is refused, neither read as "the default" (batch 64) nor reported as a --seq the user never gave."""
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--model", TINY, "--device", "cpu", *extra])
     err = capsys.readouterr().err

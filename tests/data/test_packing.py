@@ -197,7 +197,7 @@ def test_synthetic_corpus_is_seeded_and_log_uniform():
 
 def test_synthetic_corpus_padding_waste_by_mode():
     """The bench corpus through the three modes (chunked windows with BOS, ctx 1024, 64 rows): packing
-    wastes under 2 % (the issue's target), padding to ctx more than the real tokens."""
+    wastes under 2 % (the target), padding to ctx more than the real tokens."""
     windows = [w.length for n in synthetic_document_lengths() for w in chunked_windows(int(n), 1024)]
     waste = padding_waste_by_mode(windows, 1024, 64)
     assert waste["packed"] < 0.02 < waste["bucketed"] < 0.5 < 1.0 < waste["padded"]

@@ -266,7 +266,7 @@ def test_hub_tokenizer_goes_through_the_fast_path(tokenizer_dir, monkeypatch):
 
 
 def test_vocab_and_merges_alone_tokenise_as_tokenizer_json(tmp_path, tokenizer_dir, shakespeare, gpt2):
-    """GPT-2's original files without tokenizer.json (the README lists the layout): the same ids, BOS and EOS."""
+    """GPT-2's original files without tokenizer.json (docs/llama-and-generation.md lists the layout): the same ids, BOS and EOS."""
     bare = tmp_path / "bare"
     bare.mkdir()
     for name in ("vocab.json", "merges.txt"):

@@ -105,7 +105,7 @@ def test_deep_cached_windows_equal_the_segment_recurrence():
             scored = [j - 1 for _, j in pairs]
             expected[[offsets[doc] + i for i in scored]] = nll[scored]
     assert _max_relative(got, expected) <= FP32_MAX_RELATIVE_ERROR
-    # ... which is not the uncached sliding window once there is a second layer (see the README)
+    # ... which is not the uncached sliding window once there is a second layer (see docs/llama-and-generation.md)
     uncached = _uncached(model, streams, offsets, n_tokens, ctx, stride).per_token[:-1]
     assert _max_relative(got, uncached) > 1e-3
 

@@ -18,7 +18,7 @@ from fastppl.models.hf_convert import gpt2_config_to_hf, gpt2_state_dict_to_hf
 from fastppl.pipeline import evaluate
 from fixtures.window_references import hf_guide_pairs, lm_eval_rolling_pairs
 
-FP32_RTOL = 1e-5   # fp32: the bound on per-token NLL, max relative error
+FP32_RTOL = 1e-5   # fp32: the bound on per-token NLL, max relative error
 
 TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
         "First Citizen:\nYou are all resolved rather to die than to famish?\n")

@@ -8,7 +8,7 @@ import torch
 from ..config import cache_dir
 
 # Below this many scored tokens a cold compile costs more than it saves: compile seconds divided by the
-# seconds per token it saves. Measured on the H200 with an eager scorer slower than today's, so these thresholds
+# seconds per token it saves. Measured on the H200 with an eager scorer slower than the current one, so these thresholds
 # are, if anything, low:
 # - GPT-2 (and any non-Llama model): with the fused loss, compiling moves the scorer only from 1.62 to
 #   1.70 M tokens/s, so it repays ~8 s after ~250 M tokens; with the chunked loss 0.64 -> 1.62 M tokens/s,

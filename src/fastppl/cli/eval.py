@@ -178,7 +178,7 @@ def _check_and_relaunch(args: argparse.Namespace) -> int:
     traceback; then the command runs again under torchrun."""
     config_from_args(args)
     for flag, given in (("--resume", args.resume is not None), ("--kv-cache on", args.kv_cache == "on")):
-        if given:   # each rank would refuse it (pipeline.evaluate), after starting torchrun
+        if given:   # each rank would refuse it (pipeline.check_run_options), after starting torchrun
             raise FastpplError(f"{flag} runs in one process only; drop it or run without --nproc / torchrun")
     check_outputs(args)
     from ..data.corpus import BUILTINS

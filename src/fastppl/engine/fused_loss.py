@@ -201,7 +201,7 @@ def fused_token_nll(
     num_stages: int = 3, tma: Optional[bool] = None, segments: Optional[int] = None,
 ) -> torch.Tensor:
     """(N,) fp32 NLL of each target, as engine.loss.chunked_token_nll, in one kernel. Tiles of
-    128 x 256 x 64 for 16-bit inputs (measured best, docs/BENCHMARKS.md); fp32 inputs take half-size
+    128 x 256 x 64 for 16-bit inputs (measured fastest on the H200); fp32 inputs take half-size
     tiles to fit shared memory, and exact fp32 products (no tf32). tma: load through tensor descriptors
     (default: 16-bit inputs where the GPU and the alignment allow; False forces pointer loads). segments: how many
     programs share a row block's vocabulary (default vocabulary_segments)."""
