@@ -281,12 +281,17 @@ def _free_port() -> int:
 def _launch_without_torchrun(argv, **extra_env) -> list[subprocess.CompletedProcess]:
     """Two ranks started by hand (as an scheduler's own launcher would), so that what stops rank 0 is
     fastppl's failure protocol and not torchrun killing it."""
+    return _launch_ranks([argv, argv], **extra_env)
+
+
+def _launch_ranks(argv_by_rank, cwd_by_rank=(None, None), **extra_env) -> list[subprocess.CompletedProcess]:
+    """_launch_without_torchrun with each rank's own arguments and working directory."""
     port = str(_free_port())
     processes = [subprocess.Popen(
         [sys.executable, "-m", "fastppl", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                 **extra_env),
-    ) for rank in range(2)]
+        cwd=cwd, env=_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=port, **extra_env),
+    ) for rank, (argv, cwd) in enumerate(zip(argv_by_rank, cwd_by_rank))]
     results = []
     for p in processes:
         try:
@@ -348,3 +353,48 @@ def test_under_torchrun_a_raising_rank_fails_the_job(tmp_path, tokenizer_dir):
     assert "RuntimeError: injected failure on rank 1 (FASTPPL_FAULT)" in done.stderr
     assert time.monotonic() - started < 60
     assert not (tmp_path / "r.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ranks that read other inputs: one line from rank 0 naming the rank and what differs, exit 2, no report
+
+def _rank_job(tmp_path, tokenizer_dir, model="random:gpt2-tiny", data="text.txt", *extra) -> list[str]:
+    return ["eval", "--model", model, "--tokenizer", str(tokenizer_dir), "--device", "cpu", "--quiet", "--data", data,
+            "--ctx", "16", "--batch-size", "4", "--json", str(tmp_path / "r.json"), *extra]
+
+
+def _assert_refused(ranks, tmp_path, fragment):
+    assert [r.returncode for r in ranks] == [2, 2], [r.stderr for r in ranks]
+    lines = ranks[0].stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fastppl: error: rank 1 has other ") and fragment in lines[0], \
+        ranks[0].stderr
+    assert "than rank 0; give every rank the same arguments, files and model" in lines[0]
+    assert ranks[1].stderr == "" and not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.slow
+def test_a_rank_with_another_model_is_refused(tmp_path, tokenizer_dir):
+    (tmp_path / "text.txt").write_text(TEXT)
+    ranks = _launch_ranks([_rank_job(tmp_path, tokenizer_dir), _rank_job(tmp_path, tokenizer_dir, "random:llama-tiny")],
+                          (tmp_path, tmp_path))
+    _assert_refused(ranks, tmp_path, "other model weights than rank 0")
+
+
+@pytest.mark.slow
+def test_a_rank_whose_copy_of_the_corpus_differs_in_one_character_is_refused(tmp_path, tokenizer_dir):
+    """Each machine reads its own copy under the same name: the document ids agree, the texts do not."""
+    copies = [tmp_path / "machine0", tmp_path / "machine1"]
+    for copy, text in zip(copies, (TEXT, TEXT.replace("a", "e", 1))):
+        copy.mkdir()
+        (copy / "text.txt").write_text(text)
+    ranks = _launch_ranks([_rank_job(tmp_path, tokenizer_dir)] * 2, copies)
+    _assert_refused(ranks, tmp_path, "other corpus")
+
+
+@pytest.mark.slow
+def test_a_rank_with_another_ctx_or_seed_is_refused_by_name(tmp_path, tokenizer_dir):
+    (tmp_path / "text.txt").write_text(TEXT)
+    job = _rank_job(tmp_path, tokenizer_dir)
+    other = [value if value != "16" else "32" for value in job] + ["--seed", "1"]
+    ranks = _launch_ranks([job, other], (tmp_path, tmp_path))
+    _assert_refused(ranks, tmp_path, "other --ctx, --seed, model weights, windows than rank 0")

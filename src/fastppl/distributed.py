@@ -31,6 +31,7 @@ import dataclasses
 
 import atexit
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -228,6 +229,20 @@ class Distributed:
 
     def _store_check(self, keys: list[str]) -> bool:
         return self._store(lambda store: store.check(keys))
+
+    def check_same_inputs(self, parts: dict[str, str]) -> None:
+        """Every rank must score the same run: each publishes a digest of each part of its inputs ({what: digest})
+        and compares every rank's with rank 0's. On a difference every rank stops with exit code 2, and rank 0
+        alone says which rank differs in what (several machines each read their own copy of the files)."""
+        self._store(lambda store: store.set(f"inputs/{self.rank}", json.dumps(parts)))
+        self.wait_for_peers("to the check of the inputs")
+        first = json.loads(self._store(lambda store: store.get("inputs/0")))
+        for rank in range(1, self.world_size):
+            theirs = json.loads(self._store(lambda store: store.get(f"inputs/{rank}")))
+            differing = [what for what in first if theirs.get(what) != first[what]]
+            if differing:
+                raise PeerFailed(f"rank {rank} has other {', '.join(differing)} than rank 0; give every rank the "
+                                 "same arguments, files and model", silent=not self.is_main, exit_code=2)
 
     # scoring ----------------------------------------------------------------------------------------------
     def min_over_ranks(self, value: int) -> int:

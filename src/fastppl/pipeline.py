@@ -2,6 +2,7 @@
 read -> tokenize -> plan -> accelerate -> choose batches -> score -> result."""
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -32,7 +33,8 @@ from .models import load_model
 from .models.loading import position_limit_note
 from .report.progress import Progress
 from .report.result import Scored, assemble_result
-from .resume import Checkpointer, document_ids_sha256, model_files, run_fingerprint
+from .resume import (NOT_IN_FINGERPRINT, Checkpointer, document_ids_sha256, model_files, run_fingerprint,
+                     weights_digest)
 
 
 @dataclass
@@ -82,6 +84,8 @@ def evaluate(config: EvalConfig) -> dict:
     plan = plan_corpus(tokens, tokenizer, config.window, config.stride, config.bos, ctx)
     corpus_digest = corpus_sha256(documents)   # the report's, and the resume fingerprint's
     run.stage_started = time.perf_counter()    # planning is no stage of its own: "prepare" starts here
+    if dist:   # ranks that read other inputs would sum to a wrong result without a word
+        dist.check_same_inputs(inputs_by_part(run, documents, corpus_digest, tokenizer, model, plan, ctx))
     model, acceleration, score_fn = accelerate(run, model, plan)
     run.stage_done("prepare")
     for thread in warm_ups:
@@ -126,6 +130,21 @@ def check_run_options(config: EvalConfig, dist: Optional[Distributed], use_kv_ca
     if use_kv_cache and config.resume:
         # the cached path scores documents row by row, not in the planned batches that checkpoints count
         raise FastpplError("--resume does not work with --kv-cache on; drop one of them")
+
+
+# arguments that may differ between ranks: paths, whose contents are compared instead, and what rank 0 alone writes
+RANK_LOCAL_ARGUMENTS = ("model", "tokenizer", "data", "data_dir", "per_token") + NOT_IN_FINGERPRINT
+
+
+def inputs_by_part(run: Run, documents: list[Document], corpus_digest: str, tokenizer: Tokenizer,
+                   model: nn.Module, plan: WindowPlan, ctx: int) -> dict[str, str]:
+    """What every rank of a job must share, as {what: value or digest} (Distributed.check_same_inputs)."""
+    arguments = {f"--{name.replace('_', '-')}": json.dumps(value, sort_keys=True)
+                 for name, value in run.config.to_dict().items() if name not in RANK_LOCAL_ARGUMENTS}
+    return {**arguments, "--per-token": str(bool(run.config.per_token)), "corpus": corpus_digest,
+            "document ids": document_ids_sha256(documents), "tokenizer": tokenizer.fingerprint,
+            "model weights": weights_digest(model), "dtype": str(run.dtype),
+            "windows": f"{len(plan.refs)} windows of ctx {ctx}, {plan.n_scored} tokens scored"}
 
 
 def tokenize(documents: list[Document], tokenizer: Tokenizer,

@@ -55,6 +55,16 @@ def model_files(spec: str) -> Optional[list]:
     return [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(path.iterdir()) if p.is_file()]
 
 
+def weights_digest(model: torch.nn.Module) -> str:
+    """sha256 of every weight's and buffer's name, shape, dtype and float64 sum, reduced where the weights are:
+    models of other shapes, seeds or checkpoints differ in it, without hashing gigabytes of bytes."""
+    with torch.no_grad():
+        state = model.state_dict()
+        sums = torch.stack([t.detach().sum(dtype=torch.float64) for t in state.values()]).cpu().tolist()
+    described = [[name, list(t.shape), str(t.dtype), total] for (name, t), total in zip(state.items(), sums)]
+    return hashlib.sha256(json.dumps(described).encode()).hexdigest()
+
+
 def run_fingerprint(config_dict: dict, **derived) -> dict:
     """What must match for a checkpoint to be resumed: the arguments and what they resolved to."""
     fingerprint = {k: v for k, v in config_dict.items() if k not in NOT_IN_FINGERPRINT}
