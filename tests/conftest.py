@@ -5,7 +5,7 @@ import pytest
 import torch
 
 # Without a GPU, Triton kernels run in Triton's interpreter on the CPU (it must be chosen before any kernel
-# is defined), so that the fused kernels' tests run in CI too (with the kernels extra: Triton)
+# is defined), so that the fused kernels' tests run in CI too (with the triton extra)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
