@@ -398,3 +398,15 @@ def test_a_rank_with_another_ctx_or_seed_is_refused_by_name(tmp_path, tokenizer_
     other = [value if value != "16" else "32" for value in job] + ["--seed", "1"]
     ranks = _launch_ranks([job, other], (tmp_path, tmp_path))
     _assert_refused(ranks, tmp_path, "other --ctx, --seed, model weights, windows than rank 0")
+
+
+@pytest.mark.slow
+def test_a_rank_failing_in_the_batch_size_probe_stops_the_other_with_one_line(tmp_path, tokenizer_dir):
+    """The ranks agree on --batch-size auto through a barrier that watches for failures, not a bare collective
+    that would leave rank 0 waiting for a rank that is gone."""
+    job = [value for value in _long_job(tmp_path, tokenizer_dir) if value not in ("--batch-size", "1")]
+    rank0, rank1 = _launch_without_torchrun(job, FASTPPL_FAULT="probe-fails:1")
+    assert rank1.returncode == 2 and rank0.returncode == 2, (rank0.stderr, rank1.stderr)
+    assert rank0.stderr.strip() == ("fastppl: error: rank 1 failed: injected failure in the batch-size probe on "
+                                    "rank 1 (FASTPPL_FAULT)"), rank0.stderr
+    assert not (tmp_path / "r.json").exists()

@@ -247,10 +247,14 @@ class Distributed:
     # scoring ----------------------------------------------------------------------------------------------
     def min_over_ranks(self, value: int) -> int:
         """The smallest of every rank's value (e.g. --batch-size auto, sized from each rank's own free
-        memory): the ranks must plan the same batches, or their shares would not partition them."""
-        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
-        return int(tensor.item())
+        memory): the ranks must plan the same batches, or their shares would not partition them. Exchanged
+        through the store behind a barrier that watches for failures, so that a rank that failed before it
+        (its probe ran out of memory, say) stops the others with its error instead of leaving them in a
+        collective."""
+        key = f"min{self._n_barriers}"
+        self._store(lambda store: store.set(f"{key}/{self.rank}", str(value)))
+        self.wait_for_peers("to the choice of the batch size")
+        return min(int(self._store(lambda store: store.get(f"{key}/{rank}"))) for rank in range(self.world_size))
 
     def batch_hook(self, progress, share_tokens: int, total_tokens: int) -> Callable[[Batch], None]:
         """on_batch for score_batches: progress and failure polling. Rank 0's bar shows its own share
