@@ -354,6 +354,27 @@ def test_config_of_the_wrong_types_or_sizes(tmp_path, checkpoint, text, outputs,
                        "config.json", fragment)
 
 
+@pytest.mark.parametrize("backend", ["native", "hf"])
+@pytest.mark.parametrize("change, fragment", [
+    ({"n_layer": 10**9}, "has 1,000,000,000 layers but the weights hold 2"),      # hung building layers
+    ({"n_layer": 20_000}, "has 20,000 layers but the weights hold 2"),           # 40 s and 1.5 GB before
+    ({"vocab_size": 30_000_000}, "an embedding of 30,000,000 x 32 but transformer.wte.weight is 1,000 x 32"),
+    ({"n_embd": 64, "n_head": 4}, "an embedding of 1,000 x 64 but transformer.wte.weight is 1,000 x 32"),
+])
+def test_a_config_is_checked_against_the_weights_shapes_before_building(tmp_path, checkpoint, text, outputs,
+                                                                         tokenizer_dir, capsys, change, fragment,
+                                                                         backend):
+    import json
+    import time
+    broken = _copy_checkpoint(checkpoint, tmp_path / "other-config")
+    config = json.loads((checkpoint / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, **change}))
+    started = time.monotonic()
+    _assert_user_error(*_main(capsys, _args(broken, text, outputs, tokenizer_dir, "--backend", backend)), outputs,
+                       "config.json", fragment, "belongs to another model")
+    assert time.monotonic() - started < 10
+
+
 def test_a_tied_model_whose_file_has_its_own_output_matrix_is_refused(tmp_path, checkpoint, text, outputs,
                                                                        tokenizer_dir, capsys):
     """The native GPT-2 ties lm_head to wte: a different lm_head.weight in the file would be dropped silently."""

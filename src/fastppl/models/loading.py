@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 from pathlib import Path
 from typing import Optional
@@ -127,6 +128,45 @@ def _read_config(directory: Path) -> dict:
     return config
 
 
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:h|layers)\.(\d+)\.")
+# config.json's keys for (layers, vocabulary, width), and the embedding's name, by family
+_SIZE_KEYS = {"gpt2": ("n_layer", "vocab_size", "n_embd", "wte.weight"),
+              "llama": ("num_hidden_layers", "vocab_size", "hidden_size", "embed_tokens.weight")}
+
+
+def _safetensors_shapes(directory: Path) -> dict[str, tuple]:
+    """{name: shape} from the safetensors headers, no weight read; {} without safetensors or where a header is
+    damaged (read_state_dict then says so)."""
+    from safetensors import safe_open
+    shapes = {}
+    for file in _weight_files(directory, "model.safetensors", "*.safetensors"):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                shapes.update({name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()})
+        except Exception:   # safetensors raises several types for a damaged header
+            return {}
+    return shapes
+
+
+def check_config_fits_weights(directory: Path, hf_config: dict) -> None:
+    """Before anything is built: the layers and embedding config.json describes against the weights' shapes, so
+    that a config of a billion layers or of another model's vocabulary is one line, not a hang or out of memory."""
+    shapes = _safetensors_shapes(directory)
+    layers_key, vocab_key, width_key, embedding = _SIZE_KEYS["gpt2" if hf_config.get("model_type") == "gpt2"
+                                                             else "llama"]
+    layers = [int(m.group(1)) for name in shapes if (m := _LAYER_INDEX.search(name))]
+    n_layer = hf_config.get(layers_key)
+    if layers and type(n_layer) is int and n_layer > max(layers) + 1:   # fewer: _refuse_dropped_weights names one
+        raise FastpplError(f"{directory}/config.json: has {n_layer:,} layers but the weights hold {max(layers) + 1}; "
+                           "the checkpoint is corrupt or its config.json belongs to another model")
+    name = next((n for n in shapes if n.endswith(embedding)), None)
+    described = (hf_config.get(vocab_key), hf_config.get(width_key))
+    if name and all(type(size) is int for size in described) and shapes[name] != described:
+        raise FastpplError(f"{directory}/config.json: describes an embedding of {described[0]:,} x {described[1]:,} "
+                           f"but {name} is {' x '.join(f'{s:,}' for s in shapes[name])}; the checkpoint is corrupt "
+                           "or its config.json belongs to another model")
+
+
 def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     """model.safetensors (or shards), else pytorch_model.bin; a corrupt file is a one-line error."""
     safetensors_files = _weight_files(directory, "model.safetensors", "*.safetensors")
@@ -216,6 +256,8 @@ def load_model(spec: str, backend: str = "auto", dtype: torch.dtype = torch.floa
     directory = resolve_checkpoint_dir(spec)
     hf_config = _read_config(directory)
     model_type = hf_config.get("model_type")
+    if model_type in NATIVE_MODEL_TYPES:
+        check_config_fits_weights(directory, hf_config)
     unsupported = llama_unsupported(hf_config) if model_type in LLAMA_MODEL_TYPES else None
     if backend == "native" and (model_type not in NATIVE_MODEL_TYPES or unsupported):
         reason = (f"model_type {model_type!r} has no native implementation "
