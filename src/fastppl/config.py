@@ -12,6 +12,7 @@ WINDOW_MODES = ("chunked", "sliding")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 BACKENDS = ("auto", "native", "hf")
 BATCHING_SETTINGS = ("auto", "packed", "bucketed", "padded")
+MIN_BOOTSTRAP = 100
 
 
 def is_path_like(spec: str) -> bool:
@@ -36,6 +37,8 @@ class EvalConfig:
     tokenizer: Optional[str] = None     # defaults to the model's own tokenizer
     split: str = "all"                  # train | val | all (nanoGPT's 90/10 split by characters)
     text_field: str = "text"            # the field of a .jsonl line that holds the document
+    id_field: Optional[str] = None      # .jsonl / hf: the field of the document's id (default: "id" if present)
+    group_by: Optional[str] = None      # .jsonl / hf: the field whose values group the documents' results
     data_dir: Optional[str] = None      # local copies of built-in corpora (or FASTPPL_DATA_DIR)
     errors: str = "strict"              # undecodable bytes: strict (error) or replace
     window: str = "chunked"             # chunked | sliding, see fastppl.data.windows
@@ -56,6 +59,8 @@ class EvalConfig:
     quiet: bool = False
     batching: str = "auto"              # auto | packed | bucketed | padded, see fastppl.data.packing
     per_doc: Optional[str] = None       # JSON lines, one per scored document: id, tokens, bytes, words, nll_sum
+    bootstrap: int = 0                  # resamples of the bootstrap interval (0: none), see fastppl.report.stats
+    bootstrap_seed: int = 0             # the bootstrap's resampling seed: the same seed, the same interval
     resume: Optional[str] = None        # checkpoint directory of a resumable run, see fastppl.resume
     checkpoint_seconds: float = 60.0    # with resume: save at least this often ...
     checkpoint_batches: Optional[int] = None   # ... and every this many batches
@@ -95,6 +100,11 @@ class EvalConfig:
             raise FastpplError(f"--checkpoint-batches must be at least 1, got {self.checkpoint_batches}")
         if not (self.checkpoint_seconds >= 0):   # also refuses NaN, which would never trigger a checkpoint
             raise FastpplError(f"--checkpoint-seconds must be a number >= 0, got {self.checkpoint_seconds}")
+        if self.bootstrap != 0 and not (isinstance(self.bootstrap, int) and self.bootstrap >= MIN_BOOTSTRAP):
+            # fewer resamples put the 2.5 % and 97.5 % percentiles on a handful of values
+            raise FastpplError(f"--bootstrap must be 0 (off) or at least {MIN_BOOTSTRAP}, got {self.bootstrap}")
+        if self.bootstrap_seed < 0:
+            raise FastpplError(f"--bootstrap-seed must be at least 0, got {self.bootstrap_seed}")
         if self.loss_chunk_rows < 1:
             raise FastpplError("--loss-chunk-rows must be at least 1")
 

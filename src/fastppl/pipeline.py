@@ -20,7 +20,7 @@ from .accel.compile import allow_shapes, compile_score_fn
 from .accel.warm_up import start_cuda_warm_up
 from .config import EvalConfig
 from .data.batching import batch_from_plan, make_batch
-from .data.corpus import Document, corpus_sha256, load_documents
+from .data.corpus import Document, Fields, corpus_sha256, load_documents
 from .data.packing import BatchPlan, plan_batches, split_rows
 from .data.streams import WindowPlan, plan_corpus, sliding_stride, with_decoded_text
 from .data.tokenize import Tokenizer, default_tokenizer_name, encode_cached, load_tokenizer
@@ -33,6 +33,7 @@ from .models import load_model
 from .models.loading import position_limit_note
 from .report.progress import Progress
 from .report.result import Scored, assemble_result
+from .report.stats import needs_token_sums
 from .resume import (NOT_IN_FINGERPRINT, Checkpointer, document_ids_sha256, model_files, run_fingerprint,
                      weights_digest)
 
@@ -69,8 +70,9 @@ def evaluate(config: EvalConfig) -> dict:
     run = Run(config, device, resolve_dtype(config.dtype, device), dist, started)
     # overlaps the CUDA context's creation and Triton's first use with reading corpus, tokenizer and weights
     warm_ups = start_cuda_warm_up(device) if not dist else []
+    fields = Fields(config.text_field, config.id_field, config.group_by)
     documents = [d for source in config.data for d in load_documents(
-        source, config.split, config.text_field, config.data_dir, config.errors)]
+        source, config.split, data_dir=config.data_dir, errors=config.errors, fields=fields)]
     run.stage_done("read_corpus")
     tokenizer = load_tokenizer(config.tokenizer or default_tokenizer_name(config.model))
     run.stage_done("load_tokenizer")
@@ -217,7 +219,9 @@ def score(run: Run, model: nn.Module, plan: WindowPlan, acceleration: Accelerati
         allow_shapes(len({(p.n_rows, p.seq_len) for p in batches.plans}))
     # each rank scores its share of the batches; the batches are those of one process
     plans_here = shard_plans(batches.plans, dist.rank, dist.world_size) if dist else batches.plans
-    sums = DeviceSums.zeros(ctx, device, plan.n_tokens if config.per_token else None, len(plan.streams))
+    # per-token NLL for --per-token, and for a bootstrap over the windows of a single document
+    keep_tokens = config.per_token or needs_token_sums(config.bootstrap, plan)
+    sums = DeviceSums.zeros(ctx, device, plan.n_tokens if keep_tokens else None, len(plan.streams))
     checkpointer, start_batch = None, 0
     if fingerprint is not None:
         checkpointer = Checkpointer(config.resume, fingerprint, batches.plans, len(plan.refs),

@@ -5,7 +5,9 @@ import argparse
 from pathlib import Path
 
 from ..errors import FastpplError
-from .args import DEVICE_HELP, FLAG_OFF, MODEL_HELP, TOKENIZER_HELP, batch_size, check_model_given, seed
+from ..config import MIN_BOOTSTRAP
+from .args import (DEVICE_HELP, FLAG_OFF, MODEL_HELP, TOKENIZER_HELP, at_least, batch_size, check_model_given,
+                   seed)
 
 DESCRIPTION = ("NLL, perplexity and bits per byte of a model over a corpus. "
                "Example: fastppl eval --model gpt2 --data tinyshakespeare --split val")
@@ -32,6 +34,11 @@ def _add_input_arguments(p) -> None:
                    help="nanoGPT split of a single text: train = the first 90%% of its characters, val = the "
                         "last 10%%, all = the whole text (default: %(default)s)")
     p.add_argument("--text-field", help="field of a .jsonl line or hf: dataset row holding the text (default: text)")
+    p.add_argument("--id-field", help="field of a .jsonl line or hf: dataset row holding the document's id, which "
+                                      "--per-doc writes (default: id where a record has one, else the line or row)")
+    p.add_argument("--group-by", metavar="FIELD",
+                   help="field of a .jsonl line or hf: dataset row whose values group the documents: tokens, NLL, "
+                        "perplexity and bits per byte per group, and their micro and macro averages (default: none)")
     p.add_argument("--data-dir", help="directory holding local copies of built-in corpora (default: "
                                       "$FASTPPL_DATA_DIR if set, else fastppl's cache, downloaded into on first use)")
     p.add_argument("--errors", default="strict", choices=["strict", "replace"],
@@ -92,6 +99,11 @@ def _add_output_arguments(p) -> None:
                                      "nll_sum) (default: not written)")
     p.add_argument("--plot", help="draw the loss by window position here (.png, .svg or .pdf; needs matplotlib) "
                                   "(default: not drawn)")
+    p.add_argument("--bootstrap", type=at_least(0), default=0, metavar="N",
+                   help=f"a 95%% interval of nll, perplexity and bits per byte from N resamples (at least "
+                        f"{MIN_BOOTSTRAP}) of the documents, or of the windows of a single document (default: 0: none)")
+    p.add_argument("--bootstrap-seed", type=at_least(0), default=0,
+                   help="seed of the bootstrap's resamples (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress bar (default: off: progress on stderr)")
     p.add_argument("--resume", metavar="DIR", help="checkpoint into DIR, and resume from the checkpoint found there "
                                                    "(default: no checkpoints)")
@@ -107,12 +119,15 @@ def config_from_args(args: argparse.Namespace):
         raise FastpplError("--resume: empty path; give a directory for the checkpoint or leave --resume out")
     if args.resume is None and (args.checkpoint_seconds is not None or args.checkpoint_batches is not None):
         raise FastpplError("--checkpoint-seconds and --checkpoint-batches apply with --resume only; add --resume DIR")
-    if args.text_field is not None and not any(s.startswith("hf:") or Path(s).suffix == ".jsonl" for s in args.data):
-        raise FastpplError("--text-field applies to .jsonl files and hf: datasets, and no --data is one; drop it")
+    for flag, given in (("--text-field", args.text_field), ("--id-field", args.id_field),
+                        ("--group-by", args.group_by)):
+        if given is not None and not any(s.startswith("hf:") or Path(s).suffix == ".jsonl" for s in args.data):
+            raise FastpplError(f"{flag} applies to .jsonl files and hf: datasets, and no --data is one; drop it")
     from ..config import EvalConfig
     return EvalConfig(
         model=args.model, data=args.data, tokenizer=args.tokenizer, split=args.split,
-        text_field="text" if args.text_field is None else args.text_field, data_dir=args.data_dir,
+        text_field="text" if args.text_field is None else args.text_field, id_field=args.id_field,
+        group_by=args.group_by, data_dir=args.data_dir, bootstrap=args.bootstrap, bootstrap_seed=args.bootstrap_seed,
         errors=args.errors, window=args.window,
         ctx=args.ctx, stride=args.stride, bos=args.bos, batch_size=args.batch_size, device=args.device,
         dtype=args.dtype, backend=args.backend, compile=args.compile, loss=args.loss, kv_cache=args.kv_cache,

@@ -21,11 +21,53 @@ from ..errors import FastpplError, first_line
 
 @dataclass(frozen=True)
 class Document:
-    id: str      # "path" for a text file, "path:line" for a .jsonl line
+    id: str      # "path" for a text file; a .jsonl line's id field, else "path:line"
     text: str
     # (n,) int64 ids of a pre-tokenised document (.npy), which the pipeline scores as they are; its text
     # is then "" until the pipeline decodes the ids, for bytes and words
     token_ids: Optional[np.ndarray] = field(default=None, compare=False, repr=False)
+    group: Optional[str] = None   # the --group-by field's value (.jsonl, hf:), for per-group results
+
+
+@dataclass(frozen=True)
+class Fields:
+    """Which fields of a .jsonl line or hf: row hold the text, the document's id and its group."""
+    text: str = "text"
+    id: Optional[str] = None      # None: a field "id" where there is one, else the line or row number
+    group: Optional[str] = None   # None: no groups
+
+
+def _scalar_field(record: dict, name: str, where: str, flag: str) -> str:
+    """A record's id or group value as text: a string or a number, not a list, object, bool or null."""
+    if name not in record:
+        raise FastpplError(f"{where}: no field {name!r}; every record needs one, or pick another with {flag}")
+    value = record[name]
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise FastpplError(f"{where}: field {name!r} is {json.dumps(value)[:40]}, not a string or number; "
+                           f"pick another field with {flag}")
+    return str(value)
+
+
+def _record_document(record: dict, where: str, fallback_id: str, fields: Fields) -> Document:
+    """The document of one .jsonl line or hf: row (its text already checked)."""
+    if fields.id is not None:
+        doc_id = _scalar_field(record, fields.id, where, "--id-field")
+    elif isinstance(record.get("id"), (str, int)) and not isinstance(record.get("id"), bool):
+        doc_id = str(record["id"])
+    else:
+        doc_id = fallback_id
+    group = _scalar_field(record, fields.group, where, "--group-by") if fields.group is not None else None
+    return Document(id=doc_id, text=record[fields.text], group=group)
+
+
+def check_unique_ids(documents: list["Document"], source: str) -> None:
+    """Per-document results are keyed by id: two documents of one source may not share one."""
+    seen = {}
+    for number, document in enumerate(documents):
+        if document.id in seen:
+            raise FastpplError(f"{source}: documents {seen[document.id] + 1} and {number + 1} (counting from 1) share "
+                               f"the id {document.id!r}; pass --id-field naming a field that is unique")
+        seen[document.id] = number
 
 
 def path_id(path: Path) -> str:
@@ -142,8 +184,8 @@ def builtin_path(name: str, data_dir: Optional[str]) -> Path:
     return cached
 
 
-def _jsonl_documents(raw_text: str, path: Path, text_field: str) -> list[Document]:
-    documents = []
+def _jsonl_documents(raw_text: str, path: Path, fields: Fields) -> list[Document]:
+    documents, text_field = [], fields.text
     # split on \n only: str.splitlines() also splits on U+2028, U+0085, ... that JSON strings may hold raw
     for line_number, line in enumerate(raw_text.split("\n"), start=1):
         if not line.strip():
@@ -158,7 +200,9 @@ def _jsonl_documents(raw_text: str, path: Path, text_field: str) -> list[Documen
             )
         if not isinstance(record[text_field], str):
             raise FastpplError(f"{path}:{line_number}: field {text_field!r} is not a string; pick the text field with --text-field")
-        documents.append(Document(id=f"{path_id(path)}:{line_number}", text=record[text_field]))
+        documents.append(_record_document(record, f"{path}:{line_number}", f"{path_id(path)}:{line_number}",
+                                          fields))
+    check_unique_ids(documents, str(path))
     return documents
 
 
@@ -230,7 +274,7 @@ def parse_hf_source(source: str) -> tuple[str, Optional[str], str]:
     return parts[0], parts[1], parts[2]
 
 
-def hf_documents(source: str, text_field: str) -> list[Document]:
+def hf_documents(source: str, fields: Fields) -> list[Document]:
     name, config, split = parse_hf_source(source)
     try:
         import datasets
@@ -246,31 +290,41 @@ def hf_documents(source: str, text_field: str) -> list[Document]:
             f"--data {source}: cannot load dataset {name!r} (config {config}, split {split}): {first_line(e)}; "
             "offline, it must already be in the datasets cache (HF_DATASETS_OFFLINE=1)"
         ) from None
-    columns = list(dataset.column_names)
-    if text_field not in columns:
-        raise FastpplError(
-            f"--data {source}: no field {text_field!r}; its fields are {', '.join(columns)}; pass --text-field NAME"
-        )
+    columns, text_field = list(dataset.column_names), fields.text
+    for name, flag in ((text_field, "--text-field"), (fields.id, "--id-field"), (fields.group, "--group-by")):
+        if name is not None and name not in columns:
+            raise FastpplError(f"--data {source}: no field {name!r}; its fields are {', '.join(columns)}; "
+                               f"pass {flag} NAME")
+    # the columns a document needs, read column by column (a dataset reads a column at once, not row by row)
+    wanted = [c for c in dict.fromkeys((text_field, fields.id or "id", fields.group)) if c in columns]
+    values = {c: dataset[c] for c in wanted}
     documents = []
-    for row, text in enumerate(dataset[text_field]):
+    for row, text in enumerate(values[text_field]):
         if not isinstance(text, str):
             raise FastpplError(f"--data {source}: row {row}: field {text_field!r} is not a string; pick the text field with --text-field")
-        documents.append(Document(id=f"{source}:{row}", text=text))
+        record = {c: values[c][row] for c in wanted}
+        documents.append(_record_document(record, f"--data {source}: row {row}", f"{source}:{row}", fields))
     if not documents:
         raise FastpplError(f"--data {source}: the split holds no rows")
+    check_unique_ids(documents, f"--data {source}")
     return documents
 
 
 def load_documents(
     source: str, split: str = "all", text_field: str = "text",
-    data_dir: Optional[str] = None, errors: str = "strict",
+    data_dir: Optional[str] = None, errors: str = "strict", fields: Optional[Fields] = None,
 ) -> list[Document]:
-    """Documents of one --data argument. A split applies to a single text (train/val of its characters)."""
+    """Documents of one --data argument. A split applies to a single text (train/val of its characters);
+    fields (default: the text in text_field) pick a .jsonl line's or hf: row's text, id and group."""
+    fields = fields or Fields(text=text_field)
+    if fields.group is not None and not (source.startswith(HF_PREFIX) or Path(source).suffix == ".jsonl"):
+        raise FastpplError(f"--group-by applies to .jsonl files and hf: datasets, and --data {source} is neither; "
+                           "drop --group-by or pass .jsonl / hf: corpora")
     if source.startswith(HF_PREFIX) or Path(source).is_dir():
         if split != "all":
             raise FastpplError(f"--split {split} applies to a single text; use --split all with {source}")
         if source.startswith(HF_PREFIX):
-            return hf_documents(source, text_field)
+            return hf_documents(source, fields)
         return directory_documents(Path(source), errors)
     if source in BUILTINS:
         path = builtin_path(source, data_dir)
@@ -291,7 +345,7 @@ def load_documents(
     if path.suffix == ".jsonl":
         if split != "all":
             raise FastpplError("--split train/val applies to a single text; use --split all with .jsonl")
-        documents = _jsonl_documents(text, path, text_field)
+        documents = _jsonl_documents(text, path, fields)
         if not documents:
             raise FastpplError(f"{path}: holds no documents")
         return documents

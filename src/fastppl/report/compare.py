@@ -1,9 +1,10 @@
 """`fastppl compare`: runs side by side (from `eval --json` reports) and per-document results (from
 `eval --per-doc`), as a table with differences against the first run, and optionally one figure.
 
-Runs are comparable when they scored the same corpus (same data names and split) and the same number
-of tokens; otherwise their NLLs average over different things and a difference means nothing, so
-compare refuses them unless --force. Per-document files are comparable when they hold the same
+Runs are comparable when they scored the same text (the same corpus_sha256; for reports without it, the same
+data names, split and number of tokens); otherwise a difference means nothing, so compare refuses them unless
+--force. Runs of one text that scored other tokens (another tokenizer) compare by bits per byte, their per-token
+columns marked not comparable. Per-document files are comparable when they hold the same
 documents with the same token counts."""
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import numpy as np
 from ..errors import FastpplError
 # fastppl.plot imports matplotlib only inside the functions that draw
 from .plot import check_plot_path, comparison_figure, corpus_label, model_label, save_figure
+from .stats import Units, bits_per_byte, nll_per_token, paired_difference
 
 REQUIRED_RUN_FIELDS = ("nll", "ppl", "tokens_scored", "config")
 REQUIRED_DOC_FIELDS = ("id", "tokens", "nll_sum")
@@ -131,6 +133,17 @@ def corpus_key(result: dict) -> tuple:
 
 
 
+def same_text(a: dict, b: dict) -> bool:
+    """Both reports carry corpus_sha256 and it is the same: the runs read the same text."""
+    return a.get("corpus_sha256") is not None and a.get("corpus_sha256") == b.get("corpus_sha256")
+
+
+def per_token_comparable(a: dict, b: dict) -> bool:
+    """NLL and perplexity average over tokens: they compare only where the runs scored as many of them. Runs
+    of one text with other tokenizers compare by bits per byte."""
+    return a["tokens_scored"] == b["tokens_scored"]
+
+
 def check_comparable(runs: Sequence[Run], force: bool) -> None:
     if force or len(runs) < 2:
         return
@@ -143,7 +156,8 @@ def check_comparable(runs: Sequence[Run], force: bool) -> None:
                     f"runs are not comparable: {first.label} and {run.label} scored different text "
                     f"({corpus_label(first.result)}, {corpus_label(run.result)}: corpus_sha256 differs); "
                     "pass --force to compare them anyway")
-        elif corpus_key(run.result) != corpus_key(first.result):
+            continue   # the same text: other token counts (another tokenizer) compare by bits per byte
+        if corpus_key(run.result) != corpus_key(first.result):
             raise FastpplError(
                 f"runs are not comparable: {first.label} scored {corpus_label(first.result)} but {run.label} scored "
                 f"{corpus_label(run.result)}; pass --force to compare them anyway"
@@ -202,14 +216,18 @@ def runs_table(runs: Sequence[Run], markdown: bool = False) -> str:
     right = [False, False, False, False, True, True, True, True, True, True, True, True, True, False, False]
     rows = []
     first = runs[0].result
+    not_comparable = False
     for i, run in enumerate(runs):
         r = run.result
         d = differences(first, r) if i else None
+        per_token = d is None or per_token_comparable(first, r)
+        not_comparable |= not per_token
         rows.append([
             run.label, model_label(r["config"].get("model", "?")), corpus_label(r), window_label(r),
-            _number(r["tokens_scored"], ","), _number(r["nll"], ".6f"),
-            _number(d["nll"], "+.6f") if d else "", _number(r["ppl"], ".4f"),
-            _number(d["ppl_relative"], "+.3%") if d else "", _number(r.get("bits_per_byte"), ".6f"),
+            _number(r["tokens_scored"], ","), _number(r["nll"], ".6f") + _plus_minus(r.get("nll_stderr")),
+            ("" if not d else _number(d["nll"], "+.6f") if per_token else "n/c"), _number(r["ppl"], ".4f"),
+            ("" if not d else _number(d["ppl_relative"], "+.3%") if per_token else "n/c"),
+            _number(r.get("bits_per_byte"), ".6f"),
             _number(d["bits_per_byte"], "+.6f") if d else "", _number(r.get("tokens_per_second"), ",.0f"),
             ("×" + _number(d["speedup"], ".2f")) if d else "",
             r.get("environment", {}).get("device_name", "?"), r.get("dtype", "?"),
@@ -217,7 +235,44 @@ def runs_table(runs: Sequence[Run], markdown: bool = False) -> str:
     table = format_table(headers, rows, markdown, right)
     if len(runs) > 1:
         table += f"\n\nΔ: against the first run ({runs[0].label}); ΔPPL is relative, speed is the ratio of tokens/s."
+    if not_comparable:
+        table += ("\nn/c: not comparable: these runs scored other tokens of the same text (another tokenizer or "
+                  "windows); NLL and perplexity are per token, so compare them by bits/byte.")
     return table
+
+
+def _plus_minus(stderr) -> str:
+    return "" if stderr is None else f" ± {stderr:.6f}"
+
+
+def paired_table(runs: Sequence[Run], markdown: bool = False) -> Optional[str]:
+    """Each run's paired difference against the first, over the units both bootstraps resampled (documents,
+    or one document's windows): ΔNLL where the runs scored the same tokens, else Δbits/byte (same text)."""
+    first = runs[0]
+    boot = first.result.get("bootstrap")
+    if len(runs) < 2 or not boot or not boot.get("resampled"):
+        return None
+    base = Units.from_dict(boot["resampled"])
+    rows = []
+    for run in runs[1:]:
+        other = (run.result.get("bootstrap") or {}).get("resampled")
+        same_tokens = per_token_comparable(first.result, run.result)
+        measure = "ΔNLL" if same_tokens else "Δbits/byte"
+        paired = None
+        if other and same_text(first.result, run.result):
+            paired = paired_difference(base, Units.from_dict(other), nll_per_token if same_tokens else bits_per_byte,
+                                       boot["replicates"], boot["seed"])
+        if paired is None:
+            rows.append([run.label, measure, "n/a", "n/a", "no units to pair (eval --bootstrap N on the same text; "
+                                                           "windows pair only with the same tokens)"])
+            continue
+        rows.append([run.label, measure, f"{paired['difference']:+.6f}",
+                     f"[{paired['interval'][0]:+.6f}, {paired['interval'][1]:+.6f}]",
+                     f"{paired['lower_share']:.1%} of {paired['replicates']:,} resamples of {paired['units']:,} "
+                     f"{paired['unit']}s"])
+    return (f"paired differences against {first.label} ({boot['level']:.0%} bootstrap interval, seed {boot['seed']})\n"
+            + format_table(["run", "measure", "Δ", "interval", f"lower than {first.label} in"], rows, markdown,
+                           [False, False, True, True, False]))
 
 
 def load_per_doc(path: str) -> list[DocResult]:
@@ -372,6 +427,9 @@ def compare(run_paths: Sequence[str], per_doc_paths: Sequence[str] = (), plot: O
     sections = []
     if runs:
         sections.append(runs_table(runs, markdown))
+        paired = paired_table(runs, markdown)
+        if paired:
+            sections.append(paired)
     if doc_sets:
         sections.append(per_doc_report(doc_sets, doc_labels, markdown, worst, min_doc_tokens))
 

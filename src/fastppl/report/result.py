@@ -20,7 +20,9 @@ from ..data.tokenize import Tokenizer
 from ..engine.score import DeviceSums
 from ..models.attention import document_attention_backend, varlen_failure
 from ..models.hf_backend import HFCausalLM
+from .groups import group_results
 from .metrics import lm_eval_word_count, per_unit_metrics, perplexity
+from .stats import bootstrap, bootstrap_units, standard_errors
 
 
 @dataclass
@@ -114,6 +116,22 @@ def per_document(documents: list[Document], plan: WindowPlan, sums: DeviceSums, 
              "words": int(n_words[d]), "nll_sum": float(nll_by_document[d])} for d in plan.scored_documents]
 
 
+def error_bars(config, documents: list[Document], tokens: list[np.ndarray], tokenizer: Tokenizer, plan: WindowPlan,
+               sums: DeviceSums, nll_sum: float, bytes_by_document: np.ndarray) -> dict:
+    """The standard errors, the bootstrap intervals (--bootstrap) and the per-group results (--group-by)."""
+    n_bytes = int(bytes_by_document[plan.scored_documents].sum())
+    fields = standard_errors(nll_sum, float(sums.position_nll_sq_sum.sum()), plan.n_scored, n_bytes)
+    fields["bootstrap"] = None
+    if config.bootstrap:
+        units = bootstrap_units(documents, tokens, plan, sums, bytes_by_document, tokenizer)
+        fields["bootstrap"] = bootstrap(units, config.bootstrap, config.bootstrap_seed)
+    fields["groups"] = None
+    if config.group_by:
+        fields["groups"] = group_results(config.group_by, documents, plan, sums.per_document[:-1].cpu().numpy(),
+                                         bytes_by_document)
+    return fields
+
+
 def assemble_result(config, device: torch.device, dtype: torch.dtype, documents: list[Document], corpus_digest: str,
                     tokens: list[np.ndarray], tokenizer: Tokenizer, model: nn.Module, plan: WindowPlan,
                     acceleration, scored: Scored, *, ctx: int, kv_cache: str, use_kv_cache: bool,
@@ -129,6 +147,7 @@ def assemble_result(config, device: torch.device, dtype: torch.dtype, documents:
     result = {
         **corpus_metrics(scored.nll_sum, plan, int(bytes_by_document[plan.scored_documents].sum()),
                          int(words_by_document[plan.scored_documents].sum())),
+        **error_bars(config, documents, tokens, tokenizer, plan, scored.sums, scored.nll_sum, bytes_by_document),
         "documents": len(documents), "corpus_sha256": corpus_digest,
         "documents_skipped": len(documents) - len(plan.scored_documents), "windows": len(plan.refs),
         **how_it_ran(acceleration, scored, plan, model, device, dtype, use_kv_cache, window, kv_cache),

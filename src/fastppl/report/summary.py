@@ -34,16 +34,49 @@ def summary(result: dict) -> str:
            if result.get("batch_size_reason") else "") if result.get("batch_size") else "")
         + (f"  resumed after batch {result['resumed_from_batch']:,}" if result.get("resumed_from_batch") else ""),
         f"tokens      {result['tokens_scored']:,} scored of {result['tokens_total']:,}  ({result['bytes']:,} bytes)",
-        f"nll         {result['nll']:.6f} nats/token",
-        f"perplexity  {_figure(result['ppl'], '.4f')}",
-        f"bits/byte   {_figure(result['bits_per_byte'], '.6f')}",
+        f"nll         {result['nll']:.6f}{_plus_minus(result.get('nll_stderr'), '.6f')} nats/token",
+        f"perplexity  {_figure(result['ppl'], '.4f')}{_plus_minus(result.get('ppl_stderr'), '.4f')}",
+        f"bits/byte   {_figure(result['bits_per_byte'], '.6f')}{_plus_minus(result.get('bits_per_byte_stderr'), '.6f')}",
         f"word ppl    {_figure(result['word_perplexity'], '.4f')}  ({result['words']:,} words)   "
         f"byte ppl {_figure(result['byte_perplexity'], '.6f')}",
         f"speed       {_figure(result['tokens_per_second'], ',.0f')} tokens/s  ({result['wall_seconds']:.2f} s wall, "
         f"compile {result['compile']}, peak {_bytes(result['peak_memory_bytes'])})",
     ]
+    if result.get("bootstrap"):
+        lines.append(bootstrap_line(result["bootstrap"]))
     if result.get("kv_cache", "").startswith("on"):
         run, without = result["tokens_forwarded"], result["tokens_forwarded_without_cache"]
         lines.append(f"kv cache    {result['kv_cache']}: {run:,} token positions run instead of {without:,} "
                      f"({without / max(run, 1):.1f}x fewer)")
+    if result.get("groups"):
+        lines.append(groups_table(result["groups"]))
     return "\n".join(lines)
+
+
+def _plus_minus(value, spec: str) -> str:
+    """" ± se" (the standard error), or nothing where it is unknown (a report of one token)."""
+    return "" if value is None or math.isnan(value) else f" ± {_figure(value, spec)}"
+
+
+def _interval(bounds, spec: str) -> str:
+    return "n/a" if bounds is None else f"[{_figure(bounds[0], spec)}, {_figure(bounds[1], spec)}]"
+
+
+def bootstrap_line(boot: dict) -> str:
+    return (f"bootstrap   {boot['level']:.0%}: nll {_interval(boot['nll'], '.6f')}  ppl {_interval(boot['ppl'], '.4f')}"
+            f"  bits/byte {_interval(boot['bits_per_byte'], '.6f')}  ({boot['replicates']:,} resamples of "
+            f"{boot['units']:,} {boot['unit']}s, seed {boot['seed']})")
+
+
+def groups_table(groups: dict) -> str:
+    rows = [(g["group"], f"{g['documents']:,}", f"{g['tokens']:,}", f"{g['nll']:.6f}", _figure(g["ppl"], ".4f"),
+             _figure(g["bits_per_byte"], ".6f")) for g in groups["groups"]]
+    for average in ("micro", "macro"):
+        g = groups[average]
+        rows.append((f"({average} average)", f"{g['documents']:,}", f"{g['tokens']:,}", f"{g['nll']:.6f}",
+                     _figure(g["ppl"], ".4f"), _figure(g["bits_per_byte"], ".6f")))
+    headers = (f"by {groups['field']}", "documents", "tokens", "nll", "ppl", "bits/byte")
+    widths = [max(len(r[i]) for r in (headers, *rows)) for i in range(len(headers))]
+    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
+                                   for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join(["", line(headers), *(line(r) for r in rows)])
