@@ -175,10 +175,11 @@ def _cases(tmp_path, tokenizer_dir):
     text, docs, short = _corpus(tmp_path)
     common = ["--model", "random:gpt2-tiny", "--tokenizer", str(tokenizer_dir), "--device", "cpu", "--quiet"]
     return {
-        "chunked": ["eval", *common, "--data", str(text), "--ctx", "32", "--batch-size", "3"],
+        "chunked": ["eval", *common, "--data", str(text), "--ctx", "32", "--batch-size", "3", "--bootstrap", "100"],
         "sliding": ["eval", *common, "--data", str(text), "--window", "sliding", "--ctx", "32", "--stride", "12"],
         "sliding_bos": ["eval", *common, "--data", str(text), "--window", "sliding", "--ctx", "24", "--bos"],
-        "docs_chunked": ["eval", *common, "--data", str(docs), "--ctx", "16", "--batch-size", "2"],
+        "docs_chunked": ["eval", *common, "--data", str(docs), "--ctx", "16", "--batch-size", "2", "--bootstrap",
+                         "100"],
         "docs_sliding": ["eval", *common, "--data", str(docs), "--window", "sliding", "--ctx", "16", "--stride", "5"],
         "one_window": ["eval", *common, "--data", str(short), "--ctx", "64"],
     }
@@ -196,8 +197,12 @@ def _assert_same(one: Path, two: Path, name: str):
     for key in ("tokens_scored", "tokens_total", "bytes", "words", "documents", "windows", "ctx", "stride",
                 "tokens_by_position"):
         assert a[key] == b[key], key
-    for key in ("nll_sum", "nll", "bits_per_byte", "word_perplexity"):
+    for key in ("nll_sum", "nll", "bits_per_byte", "word_perplexity", "nll_stderr", "ppl_stderr"):
         assert b[key] == pytest.approx(a[key], rel=1e-12, abs=0), key
+    if a["bootstrap"] or b["bootstrap"]:   # the same units' sums, resampled with the same seed
+        assert a["bootstrap"]["resampled"]["tokens"] == b["bootstrap"]["resampled"]["tokens"]
+        for key in ("nll", "ppl", "bits_per_byte"):
+            assert b["bootstrap"][key] == pytest.approx(a["bootstrap"][key], rel=1e-12, abs=0), key
     for key in ("nll_by_position", "nll_by_position_std"):   # the std needs every rank's squared sums
         for x, y in zip(a[key], b[key], strict=True):
             assert (x is None and y is None) or y == pytest.approx(x, rel=1e-12, abs=0), key

@@ -289,3 +289,53 @@ def test_hf_dataset_through_a_stand_in_datasets_module(monkeypatch):
         load_documents("hf:offline:test", text_field="page")
     with pytest.raises(FastpplError, match="--split"):
         load_documents("hf:x:test", split="train", text_field="page")
+
+
+def test_jsonl_ids_and_groups_from_their_fields(tmp_path):
+    from fastppl.data.corpus import Fields
+    jsonl = tmp_path / "d.jsonl"
+    records = [{"id": "a-1", "key": 7, "source": "wiki", "text": "one"},
+               {"id": 2, "key": 8, "source": 3, "text": "two"},
+               {"key": 9, "source": "wiki", "text": "three"}]      # no id: its line
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
+    documents = load_documents(str(jsonl), fields=Fields(group="source"))
+    assert [d.id for d in documents] == ["a-1", "2", f"{jsonl}:3"]
+    assert [d.group for d in documents] == ["wiki", "3", "wiki"]
+    assert [d.id for d in load_documents(str(jsonl), fields=Fields(id="key"))] == ["7", "8", "9"]
+    assert all(d.group is None for d in load_documents(str(jsonl)))
+    with pytest.raises(FastpplError, match=r"d.jsonl:3: no field 'id'; every record needs one, or pick another "
+                                           r"with --id-field"):
+        load_documents(str(jsonl), fields=Fields(id="id"))
+    with pytest.raises(FastpplError, match=r"d.jsonl:1: no field 'domain'.*--group-by"):
+        load_documents(str(jsonl), fields=Fields(group="domain"))
+    jsonl.write_text(json.dumps({"id": "x", "source": ["a"], "text": "t"}) + "\n")
+    with pytest.raises(FastpplError, match=r"field 'source' is \[\"a\"\], not a string or number"):
+        load_documents(str(jsonl), fields=Fields(group="source"))
+    jsonl.write_text("".join(json.dumps({"id": "same", "text": t}) + "\n" for t in ("a", "b")))
+    with pytest.raises(FastpplError, match="documents 1 and 2 .* share the id 'same'; pass --id-field"):
+        load_documents(str(jsonl))
+
+
+def test_per_doc_ids_come_from_the_jsonl_id_field(tmp_path, tokenizer_dir):
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text("".join(json.dumps({"id": f"page-{i}", "text": t}) + "\n"
+                             for i, t in enumerate(["First page here.", "Second page, longer than the first."])))
+    result = run(tokenizer_dir, [jsonl])
+    assert [d["id"] for d in result["_per_doc"]] == ["page-0", "page-1"]
+
+
+def test_hf_dataset_ids_and_groups_from_its_columns(monkeypatch):
+    from fastppl.data.corpus import Fields
+
+    class Dataset:
+        column_names = ["text", "id", "domain"]
+        columns = {"text": ["a", "b", "c"], "id": ["x", "y", "z"], "domain": ["web", "code", "web"]}
+
+        def __getitem__(self, column):
+            return self.columns[column]
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=lambda *a, **k: Dataset()))
+    documents = load_documents("hf:paloma:test", fields=Fields(group="domain"))
+    assert [(d.id, d.group, d.text) for d in documents] == [("x", "web", "a"), ("y", "code", "b"), ("z", "web", "c")]
+    with pytest.raises(FastpplError, match="no field 'source'; its fields are text, id, domain; pass --group-by"):
+        load_documents("hf:paloma:test", fields=Fields(group="source"))

@@ -341,3 +341,75 @@ def test_fields_of_the_wrong_type_are_a_one_line_error(tmp_path, capsys, report)
     assert main(["compare", str(path), "--force"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("fastppl: error: ") and err.count("\n") == 1 and "wrong type" in err
+
+
+def test_runs_of_one_text_with_other_tokenizers_compare_by_bits_per_byte(tmp_path, capsys):
+    first = {**make_result(), "corpus_sha256": "ab" * 32}
+    other = {**make_result(nll=2.5, bits_per_byte=1.1, tokens=30000), "corpus_sha256": "ab" * 32}
+    a, b = write(tmp_path / "a.json", first), write(tmp_path / "b.json", other)
+    assert main(["compare", a, b]) == 0   # no --force: the same text
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("b "))
+    assert row.count("n/c") == 2 and "-0.100000" in row   # ΔNLL and ΔPPL not comparable; Δbits/byte shown
+    assert "n/c: not comparable" in out and "compare them by bits/byte" in out
+    c = write(tmp_path / "c.json", {**other, "corpus_sha256": "cd" * 32})
+    assert main(["compare", a, c]) == 2
+    assert "scored different text" in one_line_error(capsys)
+
+
+def _with_units(result, nll_sums, tokens, n_bytes, kind="document"):
+    units = {"kind": kind, "index": list(range(len(tokens))), "nll_sum": nll_sums, "tokens": tokens,
+             "bytes": n_bytes}
+    return {**result, "corpus_sha256": "ab" * 32,
+            "bootstrap": {"level": 0.95, "replicates": 200, "seed": 0, "resampled": units}}
+
+
+def test_compare_gives_the_paired_difference_with_its_interval(tmp_path, capsys):
+    tokens = [100, 250, 80, 400, 120, 60]
+    nll_a = [3.0 * t + i for i, t in enumerate(tokens)]
+    nll_b = [x - 0.2 * t for x, t in zip(nll_a, tokens)]          # 0.2 nats/token lower on every document
+    a = write(tmp_path / "a.json", _with_units(make_result(tokens=sum(tokens)), nll_a, tokens, [4 * t for t in tokens]))
+    b = write(tmp_path / "b.json", _with_units(make_result(tokens=sum(tokens)), nll_b, tokens, [4 * t for t in tokens]))
+    assert main(["compare", a, b]) == 0
+    out = capsys.readouterr().out
+    assert "paired differences against a (95% bootstrap interval, seed 0)" in out
+    row = next(line for line in out.splitlines() if line.startswith("b ") and "ΔNLL" in line)
+    assert "-0.200000" in row and "[-0.200000, -0.200000]" in row and "100.0% of 200 resamples of 6 documents" in row
+    # another tokenizer (other token counts per document): the paired difference is in bits per byte
+    fewer = [t // 2 for t in tokens]
+    c = write(tmp_path / "c.json", _with_units(make_result(tokens=sum(fewer)), nll_b, fewer, [4 * t for t in tokens]))
+    assert main(["compare", a, c]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("c ") and "Δbits/byte" in line)
+    assert f"{-0.2 / 4 / math.log(2):+.6f}" in row
+    # without units to pair, it says how to get them
+    d = write(tmp_path / "d.json", {**make_result(tokens=sum(tokens)), "corpus_sha256": "ab" * 32})
+    assert main(["compare", a, d]) == 0
+    assert "eval --bootstrap N on the same text" in capsys.readouterr().out
+
+
+def test_two_tokenizers_on_one_text_compare_without_force(tmp_path, capsys, tokenizer_dir, shakespeare):
+    """GPT-2's tokenizer against one with a tenth of its merges (more, shorter tokens): the same text, other
+    tokens. compare takes them without --force and pairs their documents by bits per byte."""
+    coarse = tmp_path / "coarse-tokenizer"
+    coarse.mkdir()
+    spec = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    spec["model"]["merges"] = spec["model"]["merges"][:5000]
+    (coarse / "tokenizer.json").write_text(json.dumps(spec))
+    text = shakespeare.read_text()
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"id": f"d{i}", "text": text[i * 400:(i + 1) * 400]}) + "\n" for i in range(8)))
+    reports = []
+    for name, tokenizer in (("gpt2", tokenizer_dir), ("coarse", coarse)):
+        reports.append(str(tmp_path / f"{name}.json"))
+        assert main(["eval", "--model", "random:gpt2-tiny", "--tokenizer", str(tokenizer), "--data", str(data),
+                     "--device", "cpu", "--ctx", "64", "--quiet", "--bootstrap", "100", "--json", reports[-1]]) == 0
+    results = [json.loads(open(r).read()) for r in reports]
+    assert results[0]["corpus_sha256"] == results[1]["corpus_sha256"]
+    assert results[0]["tokens_scored"] < results[1]["tokens_scored"] and results[0]["bytes"] == results[1]["bytes"]
+    capsys.readouterr()
+    assert main(["compare", *reports]) == 0
+    out = capsys.readouterr().out
+    assert "n/c: not comparable" in out
+    row = next(line for line in out.splitlines() if line.startswith("coarse ") and "Δbits/byte" in line)
+    expected = results[1]["bits_per_byte"] - results[0]["bits_per_byte"]
+    assert f"{expected:+.6f}" in row and "of 100 resamples of 8 documents" in row
