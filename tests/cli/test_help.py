@@ -129,7 +129,8 @@ def test_the_stated_defaults_are_the_configs_defaults():
     evaluated = vars(parser.parse_args(["eval", "--model", "m", "--data", "d"]))
     config = EvalConfig(model="m", data=["d"])
     for field in ("split", "errors", "window", "batch_size", "batching", "device", "dtype", "backend", "compile",
-                  "tune_products", "loss", "loss_chunk_rows", "kv_cache", "seed", "bos", "quiet"):
+                  "tune_products", "loss", "loss_chunk_rows", "kv_cache", "seed", "bos", "quiet", "bootstrap",
+                  "bootstrap_seed", "group_by", "id_field"):
         assert evaluated[field] == getattr(config, field), field
     assert "(default: 60)" in _option_help("eval", "--checkpoint-seconds") and config.checkpoint_seconds == 60
     generated = vars(parser.parse_args(["generate", "--model", "m"]))
