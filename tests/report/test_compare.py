@@ -402,7 +402,8 @@ def test_two_tokenizers_on_one_text_compare_without_force(tmp_path, capsys, toke
     for name, tokenizer in (("gpt2", tokenizer_dir), ("coarse", coarse)):
         reports.append(str(tmp_path / f"{name}.json"))
         assert main(["eval", "--model", "random:gpt2-tiny", "--tokenizer", str(tokenizer), "--data", str(data),
-                     "--device", "cpu", "--ctx", "64", "--quiet", "--bootstrap", "100", "--json", reports[-1]]) == 0
+                     "--device", "cpu", "--ctx", "64", "--quiet", "--bootstrap", "100", "--json", reports[-1],
+                     "--per-doc", str(tmp_path / f"{name}.jsonl")]) == 0
     results = [json.loads(open(r).read()) for r in reports]
     assert results[0]["corpus_sha256"] == results[1]["corpus_sha256"]
     assert results[0]["tokens_scored"] < results[1]["tokens_scored"] and results[0]["bytes"] == results[1]["bytes"]
@@ -413,3 +414,13 @@ def test_two_tokenizers_on_one_text_compare_without_force(tmp_path, capsys, toke
     row = next(line for line in out.splitlines() if line.startswith("coarse ") and "Δbits/byte" in line)
     expected = results[1]["bits_per_byte"] - results[0]["bits_per_byte"]
     assert f"{expected:+.6f}" in row and "of 100 resamples of 8 documents" in row
+    # their per-document files (found through the reports) hold other token counts: compared by bits per byte
+    assert "per-document NLL" in out and "largest per-document increases of coarse against gpt2 in bits/byte" in out
+
+
+def test_a_malformed_bootstrap_field_is_a_one_line_error(tmp_path, capsys):
+    good = _with_units(make_result(tokens=300), [300.0, 600.0], [100, 200], [400, 800])
+    bad = {**good, "bootstrap": {**good["bootstrap"], "resampled": {**good["bootstrap"]["resampled"], "tokens": [1]}}}
+    a, b = write(tmp_path / "a.json", good), write(tmp_path / "b.json", bad)
+    assert main(["compare", a, b]) == 2
+    assert "b.json: its 'bootstrap' field is not one fastppl eval --bootstrap writes" in one_line_error(capsys)

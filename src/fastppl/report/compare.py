@@ -19,7 +19,8 @@ import numpy as np
 from ..errors import FastpplError
 # fastppl.plot imports matplotlib only inside the functions that draw
 from .plot import check_plot_path, comparison_figure, corpus_label, model_label, save_figure
-from .stats import Units, bits_per_byte, nll_per_token, paired_difference
+from .paired import paired_table, per_token_comparable, plus_minus, same_text
+from .tables import format_table
 
 REQUIRED_RUN_FIELDS = ("nll", "ppl", "tokens_scored", "config")
 REQUIRED_DOC_FIELDS = ("id", "tokens", "nll_sum")
@@ -133,17 +134,6 @@ def corpus_key(result: dict) -> tuple:
 
 
 
-def same_text(a: dict, b: dict) -> bool:
-    """Both reports carry corpus_sha256 and it is the same: the runs read the same text."""
-    return a.get("corpus_sha256") is not None and a.get("corpus_sha256") == b.get("corpus_sha256")
-
-
-def per_token_comparable(a: dict, b: dict) -> bool:
-    """NLL and perplexity average over tokens: they compare only where the runs scored as many of them. Runs
-    of one text with other tokenizers compare by bits per byte."""
-    return a["tokens_scored"] == b["tokens_scored"]
-
-
 def check_comparable(runs: Sequence[Run], force: bool) -> None:
     if force or len(runs) < 2:
         return
@@ -187,18 +177,6 @@ def differences(first: dict, other: dict) -> dict:
     }
 
 
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool,
-                 right: Sequence[bool]) -> str:
-    if markdown:
-        rule = ["---:" if r else "---" for r in right]
-        lines = [headers, rule, *rows]
-        return "\n".join("| " + " | ".join(cell.replace("|", "\\|") for cell in line) + " |" for line in lines)
-    widths = [max(len(line[i]) for line in (headers, *rows)) for i in range(len(headers))]
-    def line(cells):
-        return "  ".join(c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right)).rstrip()
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
-
-
 def _number(x, spec: str) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
@@ -224,7 +202,7 @@ def runs_table(runs: Sequence[Run], markdown: bool = False) -> str:
         not_comparable |= not per_token
         rows.append([
             run.label, model_label(r["config"].get("model", "?")), corpus_label(r), window_label(r),
-            _number(r["tokens_scored"], ","), _number(r["nll"], ".6f") + _plus_minus(r.get("nll_stderr")),
+            _number(r["tokens_scored"], ","), _number(r["nll"], ".6f") + plus_minus(r.get("nll_stderr")),
             ("" if not d else _number(d["nll"], "+.6f") if per_token else "n/c"), _number(r["ppl"], ".4f"),
             ("" if not d else _number(d["ppl_relative"], "+.3%") if per_token else "n/c"),
             _number(r.get("bits_per_byte"), ".6f"),
@@ -239,40 +217,6 @@ def runs_table(runs: Sequence[Run], markdown: bool = False) -> str:
         table += ("\nn/c: not comparable: these runs scored other tokens of the same text (another tokenizer or "
                   "windows); NLL and perplexity are per token, so compare them by bits/byte.")
     return table
-
-
-def _plus_minus(stderr) -> str:
-    return "" if stderr is None else f" ± {stderr:.6f}"
-
-
-def paired_table(runs: Sequence[Run], markdown: bool = False) -> Optional[str]:
-    """Each run's paired difference against the first, over the units both bootstraps resampled (documents,
-    or one document's windows): ΔNLL where the runs scored the same tokens, else Δbits/byte (same text)."""
-    first = runs[0]
-    boot = first.result.get("bootstrap")
-    if len(runs) < 2 or not boot or not boot.get("resampled"):
-        return None
-    base = Units.from_dict(boot["resampled"])
-    rows = []
-    for run in runs[1:]:
-        other = (run.result.get("bootstrap") or {}).get("resampled")
-        same_tokens = per_token_comparable(first.result, run.result)
-        measure = "ΔNLL" if same_tokens else "Δbits/byte"
-        paired = None
-        if other and same_text(first.result, run.result):
-            paired = paired_difference(base, Units.from_dict(other), nll_per_token if same_tokens else bits_per_byte,
-                                       boot["replicates"], boot["seed"])
-        if paired is None:
-            rows.append([run.label, measure, "n/a", "n/a", "no units to pair (eval --bootstrap N on the same text; "
-                                                           "windows pair only with the same tokens)"])
-            continue
-        rows.append([run.label, measure, f"{paired['difference']:+.6f}",
-                     f"[{paired['interval'][0]:+.6f}, {paired['interval'][1]:+.6f}]",
-                     f"{paired['lower_share']:.1%} of {paired['replicates']:,} resamples of {paired['units']:,} "
-                     f"{paired['unit']}s"])
-    return (f"paired differences against {first.label} ({boot['level']:.0%} bootstrap interval, seed {boot['seed']})\n"
-            + format_table(["run", "measure", "Δ", "interval", f"lower than {first.label} in"], rows, markdown,
-                           [False, False, True, True, False]))
 
 
 def load_per_doc(path: str) -> list[DocResult]:
@@ -321,7 +265,10 @@ def check_per_doc_is_the_runs(run: Run, path: str, docs: Sequence[DocResult]) ->
             "--per-doc file in order, or --force")
 
 
-def check_docs_comparable(doc_sets: Sequence[list[DocResult]], labels: Sequence[str], force: bool) -> None:
+def check_docs_comparable(doc_sets: Sequence[list[DocResult]], labels: Sequence[str], force: bool,
+                          one_text: bool = False) -> None:
+    """The same documents, with the same token counts unless one_text (the runs' reports share corpus_sha256:
+    other token counts are another tokenizer's)."""
     if force or len(doc_sets) < 2:
         return
     first = {d.id: d.tokens for d in doc_sets[0]}
@@ -334,7 +281,7 @@ def check_docs_comparable(doc_sets: Sequence[list[DocResult]], labels: Sequence[
                 f"({len(only):,} differ, e.g. {only[0]!r}); pass --force to compare them anyway"
             )
         changed = [i for i in first if first[i] != other[i]]
-        if changed:
+        if changed and not one_text:
             raise FastpplError(
                 f"per-document results are not comparable: {len(changed):,} document(s) have other token counts "
                 f"in {label} than in {labels[0]} (e.g. {changed[0]!r}: {first[changed[0]]} vs {other[changed[0]]}); "
@@ -371,12 +318,16 @@ def per_doc_report(doc_sets: Sequence[list[DocResult]], labels: Sequence[str], m
     if len(doc_sets) > 1:
         base = {d.id: d for d in kept_sets[0]}
         for kept, label in zip(kept_sets[1:], labels[1:]):
+            # other token counts (another tokenizer on the same text): per token means nothing, per byte does
+            by_byte = any(d.id in base and d.tokens != base[d.id].tokens for d in kept)
+            value = (lambda d: d.bits_per_byte) if by_byte else (lambda d: d.nll)  # noqa: E731
             # increases only: a document whose NLL fell is not one to look at here
-            pairs = [(base[d.id], d) for d in kept if d.id in base and d.nll > base[d.id].nll]
-            pairs.sort(key=lambda p: -(p[1].nll - p[0].nll))
-            rows = [[b.id, f"{b.tokens:,}", f"{a.nll:.4f}", f"{b.nll:.4f}", f"{b.nll - a.nll:+.4f}"]
+            pairs = [(base[d.id], d) for d in kept if d.id in base and value(d) > value(base[d.id])]
+            pairs.sort(key=lambda p: -(value(p[1]) - value(p[0])))
+            rows = [[b.id, f"{b.tokens:,}", f"{value(a):.4f}", f"{value(b):.4f}", f"{value(b) - value(a):+.4f}"]
                     for a, b in pairs[:worst]]
-            title = f"largest per-document increases of {label} against {labels[0]}"
+            title = (f"largest per-document increases of {label} against {labels[0]}"
+                     + (" in bits/byte (other tokens of the same text)" if by_byte else ""))
             sections.append(title + "\n" + (format_table(["id", "tokens", labels[0], label, "Δ"], rows, markdown,
                                                          [False, True, True, True, True])
                                             if rows else "none: no document's NLL per token rose"))
@@ -422,7 +373,9 @@ def compare(run_paths: Sequence[str], per_doc_paths: Sequence[str] = (), plot: O
     if not force:
         for run, path, docs in zip(paired_runs, per_doc_paths, doc_sets):
             check_per_doc_is_the_runs(run, path, docs)
-    check_docs_comparable(doc_sets, doc_labels, force)
+    one_text = len(paired_runs) == len(doc_sets) and all(same_text(paired_runs[0].result, r.result)
+                                                         for r in paired_runs[1:])
+    check_docs_comparable(doc_sets, doc_labels, force, one_text)
 
     sections = []
     if runs:

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import numpy as np
 
+from .metrics import perplexity
+
 if TYPE_CHECKING:   # compare reads reports with this module and needs no torch
     from ..data.corpus import Document
     from ..data.streams import WindowPlan
@@ -101,7 +103,7 @@ def bootstrap(units: Units, replicates: int, seed: int) -> dict:
         bpb.append(bits_per_byte(units, draw) if units.bytes.sum() else np.full(len(draw), np.nan))
     nll_interval = percentile_interval(np.concatenate(nll))
     return {"level": LEVEL, "replicates": replicates, "seed": seed, "unit": units.kind, "units": len(units.index),
-            "nll": nll_interval, "ppl": [math.exp(min(x, 709.0)) for x in nll_interval],
+            "nll": nll_interval, "ppl": [perplexity(x) for x in nll_interval],
             "bits_per_byte": percentile_interval(np.concatenate(bpb)) if units.bytes.sum() else None,
             "resampled": units.to_dict()}
 
