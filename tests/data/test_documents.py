@@ -311,9 +311,11 @@ def test_jsonl_ids_and_groups_from_their_fields(tmp_path):
     jsonl.write_text(json.dumps({"id": "x", "source": ["a"], "text": "t"}) + "\n")
     with pytest.raises(FastpplError, match=r"field 'source' is \[\"a\"\], not a string or number"):
         load_documents(str(jsonl), fields=Fields(group="source"))
-    jsonl.write_text("".join(json.dumps({"id": "same", "text": t}) + "\n" for t in ("a", "b")))
-    with pytest.raises(FastpplError, match="documents 1 and 2 .* share the id 'same'; pass --id-field"):
-        load_documents(str(jsonl))
+    jsonl.write_text("".join(json.dumps({"id": "same", "key": "k", "text": t}) + "\n" for t in ("a", "b")))
+    # a default id field that repeats does not name the documents: their lines do; a chosen one must be unique
+    assert [d.id for d in load_documents(str(jsonl))] == [f"{jsonl}:1", f"{jsonl}:2"]
+    with pytest.raises(FastpplError, match="documents 1 and 2 .* share the id 'k'; pass --id-field"):
+        load_documents(str(jsonl), fields=Fields(id="key"))
 
 
 def test_per_doc_ids_come_from_the_jsonl_id_field(tmp_path, tokenizer_dir):

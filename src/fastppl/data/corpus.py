@@ -3,6 +3,7 @@ ids (one pre-tokenised document), a built-in, or a document set (a directory of 
 dataset split)."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -33,7 +34,7 @@ class Document:
 class Fields:
     """Which fields of a .jsonl line or hf: row hold the text, the document's id and its group."""
     text: str = "text"
-    id: Optional[str] = None      # None: a field "id" where there is one, else the line or row number
+    id: Optional[str] = None      # None: a field "id" where there is one (and unique), else the line or row
     group: Optional[str] = None   # None: no groups
 
 
@@ -60,14 +61,19 @@ def _record_document(record: dict, where: str, fallback_id: str, fields: Fields)
     return Document(id=doc_id, text=record[fields.text], group=group)
 
 
-def check_unique_ids(documents: list["Document"], source: str) -> None:
-    """Per-document results are keyed by id: two documents of one source may not share one."""
+def unique_ids(documents: list["Document"], fallback_ids: list[str], source: str,
+               fields: Fields) -> list["Document"]:
+    """Per-document results are keyed by id: two documents of one source may not share one. Ids of --id-field
+    must be unique; where a default "id" field repeats, the lines' (or rows') own ids are used instead."""
     seen = {}
     for number, document in enumerate(documents):
         if document.id in seen:
+            if fields.id is None:
+                return [dataclasses.replace(d, id=fallback) for d, fallback in zip(documents, fallback_ids)]
             raise FastpplError(f"{source}: documents {seen[document.id] + 1} and {number + 1} (counting from 1) share "
                                f"the id {document.id!r}; pass --id-field naming a field that is unique")
         seen[document.id] = number
+    return documents
 
 
 def path_id(path: Path) -> str:
@@ -185,7 +191,7 @@ def builtin_path(name: str, data_dir: Optional[str]) -> Path:
 
 
 def _jsonl_documents(raw_text: str, path: Path, fields: Fields) -> list[Document]:
-    documents, text_field = [], fields.text
+    documents, fallback_ids, text_field = [], [], fields.text
     # split on \n only: str.splitlines() also splits on U+2028, U+0085, ... that JSON strings may hold raw
     for line_number, line in enumerate(raw_text.split("\n"), start=1):
         if not line.strip():
@@ -200,10 +206,9 @@ def _jsonl_documents(raw_text: str, path: Path, fields: Fields) -> list[Document
             )
         if not isinstance(record[text_field], str):
             raise FastpplError(f"{path}:{line_number}: field {text_field!r} is not a string; pick the text field with --text-field")
-        documents.append(_record_document(record, f"{path}:{line_number}", f"{path_id(path)}:{line_number}",
-                                          fields))
-    check_unique_ids(documents, str(path))
-    return documents
+        fallback_ids.append(f"{path_id(path)}:{line_number}")
+        documents.append(_record_document(record, f"{path}:{line_number}", fallback_ids[-1], fields))
+    return unique_ids(documents, fallback_ids, str(path), fields)
 
 
 def token_id_document(path: Path) -> Document:
@@ -306,8 +311,7 @@ def hf_documents(source: str, fields: Fields) -> list[Document]:
         documents.append(_record_document(record, f"--data {source}: row {row}", f"{source}:{row}", fields))
     if not documents:
         raise FastpplError(f"--data {source}: the split holds no rows")
-    check_unique_ids(documents, f"--data {source}")
-    return documents
+    return unique_ids(documents, [f"{source}:{row}" for row in range(len(documents))], f"--data {source}", fields)
 
 
 def load_documents(
