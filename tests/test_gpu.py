@@ -231,3 +231,27 @@ def test_tuned_products_score_as_torchs_and_stored_picks_are_reused(tmp_path):
     finally:
         linear_module.stop_tuning()
         linear_module.unroute_linears(model)
+
+
+def test_error_bars_on_cuda_equal_a_direct_computation(tmp_path, tokenizer_dir, shakespeare):
+    """The standard error from the device's sums of squares (bf16 weights, fused loss, packed documents) equals
+    numpy's on the per-token NLL the run wrote; the bootstrap of one document's windows sums to the run."""
+    import json
+    import math
+
+    import numpy as np
+
+    from fastppl import EvalConfig, evaluate
+    tokenizer, text = str(tokenizer_dir), shakespeare.read_text()
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": text[i * 2000:(i + 1) * 2000]}) + "\n" for i in range(40)))
+    single = tmp_path / "one.txt"
+    single.write_text(text[:200_000])
+    for data in (docs, single):
+        result = evaluate(EvalConfig(model="random:gpt2", tokenizer=tokenizer, data=[str(data)], ctx=1024,
+                                     quiet=True, per_token="(returned)", bootstrap=200))
+        scored = result["_per_token"][~np.isnan(result["_per_token"])].astype(np.float64)
+        assert result["nll_stderr"] == pytest.approx(scored.std(ddof=1) / math.sqrt(len(scored)), rel=1e-6)
+        units = result["bootstrap"]["resampled"]
+        assert sum(units["tokens"]) == result["tokens_scored"]
+        assert math.fsum(units["nll_sum"]) == pytest.approx(result["nll_sum"], rel=1e-9)
