@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import urllib.request
@@ -26,6 +27,13 @@ class Document:
     # (n,) int64 ids of a pre-tokenised document (.npy), which the pipeline scores as they are; its text
     # is then "" until the pipeline decodes the ids, for bytes and words
     token_ids: Optional[np.ndarray] = field(default=None, compare=False, repr=False)
+    # the text whose words and bytes the metrics count, where a protocol scores a rewritten text (lm-eval's
+    # wikitext task scores the detokenized page and counts the original); None: text itself
+    counted_text: Optional[str] = field(default=None, compare=False, repr=False)
+
+    @property
+    def text_counted(self) -> str:
+        return self.text if self.counted_text is None else self.counted_text
 
 
 def path_id(path: Path) -> str:
@@ -142,7 +150,7 @@ def builtin_path(name: str, data_dir: Optional[str]) -> Path:
     return cached
 
 
-def _jsonl_documents(raw_text: str, path: Path, text_field: str) -> list[Document]:
+def jsonl_documents(raw_text: str, path: Path, text_field: str) -> list[Document]:
     documents = []
     # split on \n only: str.splitlines() also splits on U+2028, U+0085, ... that JSON strings may hold raw
     for line_number, line in enumerate(raw_text.split("\n"), start=1):
@@ -230,35 +238,56 @@ def parse_hf_source(source: str) -> tuple[str, Optional[str], str]:
     return parts[0], parts[1], parts[2]
 
 
-def hf_documents(source: str, text_field: str) -> list[Document]:
-    name, config, split = parse_hf_source(source)
+def dataset_revision(dataset) -> Optional[str]:
+    """The hub commit a loaded dataset was read at, where `datasets` records it (its data files' hf://...@SHA
+    paths, or its cache folder named by the commit), else None."""
+    try:
+        places = [*(dataset.info.download_checksums or {}), *(f["filename"] for f in dataset.cache_files)]
+    except (AttributeError, KeyError, TypeError):
+        return None
+    for place in places:
+        found = re.search(r"@([0-9a-f]{40})\b", place) or re.search(r"/([0-9a-f]{40})/", place)
+        if found:
+            return found.group(1)
+    return None
+
+
+def hf_rows(label: str, name: str, config: Optional[str], split: str, text_field: str,
+            data_files: Optional[dict] = None) -> tuple[list[str], Optional[str]]:
+    """The text field of every row of a Hugging Face dataset split, read through `datasets` (cached), and the hub
+    revision it was read at (None where unknown). label names the source in errors."""
     try:
         import datasets
     except ImportError:
         raise FastpplError(
-            f"--data {source}: reading Hugging Face datasets needs the `datasets` package; "
+            f"{label}: reading Hugging Face datasets needs the `datasets` package; "
             "pip install datasets, or export the split to a .jsonl file and pass that"
         ) from None
     try:
-        dataset = datasets.load_dataset(name, config, split=split)
+        dataset = datasets.load_dataset(name, config, split=split, **({"data_files": data_files} if data_files else {}))
     except Exception as e:  # datasets raises many types for offline, unknown names, configs and splits
         raise FastpplError(
-            f"--data {source}: cannot load dataset {name!r} (config {config}, split {split}): {first_line(e)}; "
+            f"{label}: cannot load dataset {name!r} (config {config}, split {split}): {first_line(e)}; "
             "offline, it must already be in the datasets cache (HF_DATASETS_OFFLINE=1)"
         ) from None
     columns = list(dataset.column_names)
     if text_field not in columns:
         raise FastpplError(
-            f"--data {source}: no field {text_field!r}; its fields are {', '.join(columns)}; pass --text-field NAME"
+            f"{label}: no field {text_field!r}; its fields are {', '.join(columns)}; pass --text-field NAME"
         )
-    documents = []
-    for row, text in enumerate(dataset[text_field]):
+    texts = list(dataset[text_field])
+    for row, text in enumerate(texts):
         if not isinstance(text, str):
-            raise FastpplError(f"--data {source}: row {row}: field {text_field!r} is not a string; pick the text field with --text-field")
-        documents.append(Document(id=f"{source}:{row}", text=text))
-    if not documents:
-        raise FastpplError(f"--data {source}: the split holds no rows")
-    return documents
+            raise FastpplError(f"{label}: row {row}: field {text_field!r} is not a string; pick the text field with --text-field")
+    if not texts:
+        raise FastpplError(f"{label}: the split holds no rows")
+    return texts, dataset_revision(dataset)
+
+
+def hf_documents(source: str, text_field: str) -> list[Document]:
+    name, config, split = parse_hf_source(source)
+    texts, _ = hf_rows(f"--data {source}", name, config, split, text_field)
+    return [Document(id=f"{source}:{row}", text=text) for row, text in enumerate(texts)]
 
 
 def load_documents(
@@ -291,7 +320,7 @@ def load_documents(
     if path.suffix == ".jsonl":
         if split != "all":
             raise FastpplError("--split train/val applies to a single text; use --split all with .jsonl")
-        documents = _jsonl_documents(text, path, text_field)
+        documents = jsonl_documents(text, path, text_field)
         if not documents:
             raise FastpplError(f"{path}: holds no documents")
         return documents

@@ -121,7 +121,7 @@ def assemble_result(config, device: torch.device, dtype: torch.dtype, documents:
     """The report's fields ("_per_token" and "_per_doc" hold what goes to --per-token and --per-doc); started:
     the run's perf_counter() at its start, for wall_seconds."""
     bytes_by_document = scored_bytes_by_document(documents, tokens, plan, tokenizer)
-    words_by_document = np.array([lm_eval_word_count(d.text) for d in documents], dtype=np.int64)
+    words_by_document = np.array([lm_eval_word_count(d.text_counted) for d in documents], dtype=np.int64)
     scored_here = plan.n_scored - scored.scored_before
     window = {"ctx": ctx, "stride": sliding_stride(config.stride, ctx) if config.window == "sliding" else None,
               "window": config.window}

@@ -42,6 +42,9 @@ def summary(result: dict) -> str:
         f"speed       {_figure(result['tokens_per_second'], ',.0f')} tokens/s  ({result['wall_seconds']:.2f} s wall, "
         f"compile {result['compile']}, peak {_bytes(result['peak_memory_bytes'])})",
     ]
+    card = result.get("protocol") or {}
+    if card.get("reported"):
+        lines.append(f"protocol    {card['name']}: {card['reported']['line']}")
     if result.get("kv_cache", "").startswith("on"):
         run, without = result["tokens_forwarded"], result["tokens_forwarded_without_cache"]
         lines.append(f"kv cache    {result['kv_cache']}: {run:,} token positions run instead of {without:,} "
