@@ -136,8 +136,23 @@ def test_cli_summary_and_errors(tmp_path, tokenizer_dir, shakespeare, capsys):
     out = capsys.readouterr().out
     card = json.loads((tmp_path / "r.json").read_text())["protocol"]
     assert f"protocol    llama.cpp: {card['reported']['line']}" in out and "Final estimate: PPL = " in out
-    for extra, message in ((["--protocol", "gptq", "--window", "chunked"], "--window chunked does not go with"),
+    for extra, message in ((["--protocol", "gptq", "--window", "sliding"], "--window sliding does not go with"),
                            (["--protocol", "llama.cpp", "--ctx", "200"], "needs at least 2 x --ctx = 400 tokens")):
         assert main(common + extra) == 2
         err = capsys.readouterr().err
         assert err.startswith("fastppl: error: ") and message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_llama_cpp_on_cuda_equals_the_cpu_run(tmp_path, tokenizer_dir, shakespeare):
+    """On CUDA the fused loss runs on the scored rows only (half of each block here): fp32 equals the CPU."""
+    path = tmp_path / "wiki.test.raw"
+    path.write_text(shakespeare.read_text()[:20000])
+    cpu = run(tokenizer_dir, [path], "llama.cpp", ctx=128)
+    cuda = evaluate(EvalConfig(model=MODEL, data=[str(path)], tokenizer=str(tokenizer_dir), device="cuda",
+                               dtype="fp32", quiet=True, ctx=128, protocol="llama.cpp"))
+    assert cuda["tokens_scored"] == cpu["tokens_scored"] and cuda["loss"] == "fused"
+    assert cuda["protocol"]["reported"]["ppl"] == pytest.approx(cpu["protocol"]["reported"]["ppl"], rel=1e-4)
+    assert cuda["protocol"]["reported"]["ppl_plus_minus"] == pytest.approx(
+        cpu["protocol"]["reported"]["ppl_plus_minus"], rel=1e-3)

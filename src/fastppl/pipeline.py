@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -22,7 +23,7 @@ from .config import EvalConfig
 from .data.batching import batch_from_plan, make_batch
 from .data.corpus import Document, corpus_sha256, load_documents
 from .data.packing import BatchPlan, plan_batches, split_rows
-from .data.protocols import PROTOCOLS, Protocol, read_protocol_corpus
+from .data.protocols import CORPORA, PROTOCOLS, Protocol, read_protocol_corpus
 from .data.streams import WindowPlan, plan_corpus, sliding_stride, with_decoded_text
 from .data.tokenize import Tokenizer, default_tokenizer_name, encode_cached, load_tokenizer
 from .distributed import Distributed, init_distributed, shard_plans, stop_all_on_failure
@@ -109,6 +110,10 @@ def evaluate(config: EvalConfig) -> dict:
 def read_corpus(config: EvalConfig) -> tuple[list[Document], Optional[Protocol], list[dict]]:
     """The documents to score, the protocol that prepared them (with its corpus' rules), and the datasets read."""
     if config.protocol is None:
+        named = [s for s in config.data if s in CORPORA and not Path(s).exists()]
+        if named:
+            raise FastpplError(f"--data {named[0]} is a corpus of --protocol "
+                               f"{' or '.join(CORPORA[named[0]].protocols)}; add --protocol gptq")
         return [d for source in config.data for d in load_documents(
             source, config.split, config.text_field, config.data_dir, config.errors)], None, []
     return read_protocol_corpus(PROTOCOLS[config.protocol], config.data, config.split, config.text_field,

@@ -229,3 +229,8 @@ def test_corpus_errors(tmp_path, tokenizer_dir, data_dir):
         plan_of("lm-eval-rolling", ["wikitext2"], tokenizer_dir, 16, data_dir=data_dir)
     with pytest.raises(FastpplError, match="no wiki.test.raw in"):
         plan_of("gptq", ["wikitext2"], tokenizer_dir, 16, data_dir=tmp_path)
+    from fastppl.pipeline import read_corpus
+    with pytest.raises(FastpplError, match="--data c4 is a corpus of --protocol gptq, read alone"):
+        plan_of("hf-guide", ["c4"], tokenizer_dir, 16, data_dir=data_dir)
+    with pytest.raises(FastpplError, match="--data c4 is a corpus of --protocol gptq; add --protocol"):
+        read_corpus(EvalConfig(model="m", data=["c4"]))

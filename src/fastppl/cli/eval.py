@@ -46,9 +46,10 @@ def _add_scoring_arguments(p) -> None:
                    help="a published tool's protocol, reproduced exactly: its corpus preparation, windows, BOS rule, "
                         "tail and normaliser, stated in the report (see README: protocols; --data wikitext2 and c4 "
                         "are gptq's corpora) (default: none: --window decides)")
-    p.add_argument("--window", choices=["chunked", "sliding"],
+    p.add_argument("--window", default="chunked", choices=["chunked", "sliding"],
                    help="chunked: every token scored once, disjoint windows from BOS; sliding: the HF guide's "
-                        "strided windows (see docs/windows-and-metrics.md) (default: chunked)")
+                        "strided windows (see docs/windows-and-metrics.md) (default: %(default)s; a --protocol "
+                        "sets its own)")
     p.add_argument("--ctx", type=int, help="tokens per window (default: the model's maximum)")
     p.add_argument("--stride", type=int, help="sliding: tokens between window starts (default: ctx/2)")
     p.add_argument("--bos", action="store_true", help="sliding: prefix BOS so that the first token is scored" + FLAG_OFF)
@@ -116,16 +117,13 @@ def config_from_args(args: argparse.Namespace):
         raise FastpplError("--checkpoint-seconds and --checkpoint-batches apply with --resume only; add --resume DIR")
     if args.text_field is not None and not any(s.startswith("hf:") or Path(s).suffix == ".jsonl" for s in args.data):
         raise FastpplError("--text-field applies to .jsonl files and hf: datasets, and no --data is one; drop it")
-    if args.protocol and args.window not in (None, PROTOCOL_WINDOWS[args.protocol]):
-        raise FastpplError(f"--window {args.window} does not go with --protocol {args.protocol}, which fixes its "
-                           "windows; drop --window")
     from ..config import EvalConfig
     from ..data.protocols import PROTOCOLS
     default_field = PROTOCOLS[args.protocol].text_field if args.protocol else "text"
     return EvalConfig(
         model=args.model, data=args.data, tokenizer=args.tokenizer, split=args.split,
         text_field=default_field if args.text_field is None else args.text_field, data_dir=args.data_dir,
-        errors=args.errors, window=args.window or "chunked", protocol=args.protocol,
+        errors=args.errors, window=args.window, protocol=args.protocol,
         ctx=args.ctx, stride=args.stride, bos=args.bos, batch_size=args.batch_size, device=args.device,
         dtype=args.dtype, backend=args.backend, compile=args.compile, loss=args.loss, kv_cache=args.kv_cache,
         loss_chunk_rows=args.loss_chunk_rows, tune_products=args.tune_products,

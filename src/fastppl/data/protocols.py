@@ -67,17 +67,19 @@ class NamedCorpus:
     data_files: Optional[dict]
     local_files: tuple[str, ...]      # the dataset's own file names, looked for in the data directory
     join: str                         # rows joined by this
+    protocols: tuple[str, ...]        # the protocols that read it
     max_rows: Optional[int] = None    # the first rows only
     max_blocks: Optional[int] = None  # the first max_blocks * ctx tokens only
 
 
 CORPORA = {
     # datautils.get_wikitext2's test text
-    "wikitext2": NamedCorpus("wikitext", "wikitext-2-raw-v1", "test", None, ("wiki.test.raw",), "\n\n"),
+    "wikitext2": NamedCorpus("wikitext", "wikitext-2-raw-v1", "test", None, ("wiki.test.raw",), "\n\n",
+                             ("gptq", "hf-guide")),
     # datautils.get_c4_new's validation text: the first 1,100 documents of the first shard, the first 256 blocks
     "c4": NamedCorpus("allenai/c4", None, "validation", {"validation": "en/c4-validation.00000-of-00008.json.gz"},
                       ("c4-validation.00000-of-00008.json.gz", "c4-validation.00000-of-00008.json"), " ",
-                      max_rows=1100, max_blocks=256),
+                      ("gptq",), max_rows=1100, max_blocks=256),
 }
 
 
@@ -120,9 +122,9 @@ def read_protocol_corpus(protocol: Protocol, sources: list[str], split: str, tex
                          data_dir: Optional[str], errors: str) -> tuple[list[Document], Protocol, list[dict]]:
     """The documents a protocol scores, the protocol with its corpus' rules, and the datasets read."""
     named = [s for s in sources if s in CORPORA]
-    if named and (protocol.join is None or len(sources) > 1):
-        raise FastpplError(f"--data {named[0]} is a corpus of --protocol gptq or hf-guide, read alone; "
-                           "use one of those protocols and no other --data")
+    if named and (protocol.name not in CORPORA[named[0]].protocols or len(sources) > 1):
+        raise FastpplError(f"--data {named[0]} is a corpus of --protocol {' or '.join(CORPORA[named[0]].protocols)}, "
+                           "read alone; use that protocol and no other --data")
     if named and split != "all":
         raise FastpplError(f"--split {split} applies to a single text; use --split all with --data {named[0]}")
     if named:
