@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import FastpplError
-from .corpus import (HF_PREFIX, Document, decode_utf8, hf_rows, jsonl_documents, load_documents,
-                     parse_hf_source)
+from .corpus import (HF_PREFIX, Document, decode_utf8, hf_rows, jsonl_documents, load_documents, parse_hf_source,
+                     read_bytes)
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,12 @@ def read_named_corpus(name: str, data_dir: Optional[str], errors: str) -> tuple[
         rows, revision = hf_rows(f"--data {name}", corpus.dataset, corpus.config, corpus.split, "text",
                                  corpus.data_files)
         return rows[:corpus.max_rows], {**record, "revision": revision, "read_from": "datasets"}
-    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    raw = read_bytes(path)
+    if path.suffix == ".gz":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError):   # not gzip, or cut short
+            raise FastpplError(f"{path}: is not a whole gzip file; download it again") from None
     text = decode_utf8(raw, str(path), errors)
     if path.suffix == ".raw":
         rows = wikitext_raw_rows(text)

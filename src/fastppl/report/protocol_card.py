@@ -47,7 +47,7 @@ def _windows(window: str, protocol: Optional[Protocol], plan: WindowPlan, ctx: i
     n_stream = sum(len(s.ids) for s in plan.streams)
     blocks = len(plan.refs)
     return {"windows": f"{blocks} disjoint blocks of ctx {ctx}; each reads its first {ctx - 1} tokens and scores "
-                       f"positions {score_from}..{ctx - 2} ({ctx - 1 - score_from} targets a block)",
+                       f"its tokens {score_from + 1}..{ctx - 1} ({ctx - 1 - score_from} a block)",
             "tail": f"dropped: the {n_stream - blocks * ctx} tokens after block {blocks}"
                     + (f" (at most {protocol.max_blocks} blocks)" if protocol.max_blocks else "")}
 
