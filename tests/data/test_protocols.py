@@ -237,3 +237,16 @@ def test_corpus_errors(tmp_path, tokenizer_dir, data_dir):
         plan_of("hf-guide", ["c4"], tokenizer_dir, 16, data_dir=data_dir)
     with pytest.raises(FastpplError, match="--data c4 is a corpus of --protocol gptq; add --protocol"):
         read_corpus(EvalConfig(model="m", data=["c4"]))
+
+
+def test_presets_of_todays_windows_are_those_windows(tmp_path, tokenizer_dir, shakespeare):
+    """lm-eval-rolling is --window chunked, and hf-guide on one text with GPT-2's tokenizer (no BOS added) is
+    --window sliding: the same streams and windows."""
+    path = tmp_path / "slice.txt"
+    path.write_text(shakespeare.read_text()[:2000])
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    tokens = [tokenizer.encode(path.read_text())]
+    for name, window, stride in (("lm-eval-rolling", "chunked", None), ("hf-guide", "sliding", 7)):
+        preset, *_ = plan_of(name, [path], tokenizer_dir, 20, stride=stride)
+        plain = plan_corpus(tokens, tokenizer, window, stride, False, 20)
+        assert preset.refs == plain.refs and fastppl_pairs(preset) == fastppl_pairs(plain)
