@@ -110,7 +110,8 @@ def test_gptq_wikitext2_equals_its_loop(tokenizer_dir, bos_tokenizer_dir, data_d
     expected = gptq_pairs(raw_rows(data_dir / "wiki.test.raw"), AutoTokenizer.from_pretrained(str(path)), ctx)
     assert fastppl_pairs(plan) == expected and len(expected) > 10 * ctx
     assert datasets == [{"id": "wikitext", "config": "wikitext-2-raw-v1", "split": "test", "data_files": None,
-                         "revision": None, "read_from": str(data_dir / "wiki.test.raw")}]
+                         "revision": None, "read_from": str(data_dir / "wiki.test.raw"),
+                         "rows": len(raw_rows(data_dir / "wiki.test.raw"))}]
     # bytes: the text's, less each block's first token and the tail (a BOS the tokenizer adds is no text)
     n_blocks, offset = len(plan.refs), 1 if tokenizer == "bos" else 0
     unscored = [k for k in range(len(tokens[0])) if (k + offset) % ctx == 0 or k + offset >= n_blocks * ctx]
@@ -184,6 +185,7 @@ def test_named_corpora_through_datasets(monkeypatch, tokenizer_dir):
                       {"data_files": {"validation": "en/c4-validation.00000-of-00008.json.gz"}})]
     assert documents[0].text == " ".join(f"row {i}" for i in range(1100)) and protocol.max_blocks == 256
     assert datasets[0]["revision"] == revision and datasets[0]["read_from"] == "datasets"
+    assert datasets[0]["rows"] == 1100
     read_protocol_corpus(PROTOCOLS["gptq"], ["wikitext2"], "all", "text", None, "strict")
     assert calls[-1] == ("wikitext", "wikitext-2-raw-v1", "test", {})
 

@@ -108,7 +108,8 @@ def read_named_corpus(name: str, data_dir: Optional[str], errors: str) -> tuple[
     if path is None:
         rows, revision = hf_rows(f"--data {name}", corpus.dataset, corpus.config, corpus.split, "text",
                                  corpus.data_files)
-        return rows[:corpus.max_rows], {**record, "revision": revision, "read_from": "datasets"}
+        rows = rows[:corpus.max_rows]
+        return rows, {**record, "revision": revision, "read_from": "datasets", "rows": len(rows)}
     raw = read_bytes(path)
     if path.suffix == ".gz":
         try:
@@ -120,7 +121,8 @@ def read_named_corpus(name: str, data_dir: Optional[str], errors: str) -> tuple[
         rows = wikitext_raw_rows(text)
     else:
         rows = [d.text for d in jsonl_documents(text, path, "text")]
-    return rows[:corpus.max_rows], {**record, "revision": None, "read_from": str(path)}
+    rows = rows[:corpus.max_rows]   # the first rows (c4: 1,100 documents)
+    return rows, {**record, "revision": None, "read_from": str(path), "rows": len(rows)}
 
 
 def read_protocol_corpus(protocol: Protocol, sources: list[str], split: str, text_field: str,
@@ -151,7 +153,7 @@ def _hf_documents(source: str, text_field: str, datasets: list[dict]) -> list[Do
     name, config, split = parse_hf_source(source)
     texts, revision = hf_rows(f"--data {source}", name, config, split, text_field)
     datasets.append({"id": name, "config": config, "split": split, "data_files": None, "revision": revision,
-                     "read_from": "datasets"})
+                     "read_from": "datasets", "rows": len(texts)})
     return [Document(id=f"{source}:{row}", text=text) for row, text in enumerate(texts)]
 
 
