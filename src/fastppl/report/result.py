@@ -126,9 +126,11 @@ def assemble_result(config, device: torch.device, dtype: torch.dtype, documents:
     window = {"ctx": ctx, "stride": sliding_stride(config.stride, ctx) if config.window == "sliding" else None,
               "window": config.window}
     positions = by_position(scored.sums)
+    # lm-eval's wikitext task counts the words of every page, an empty one's too; elsewhere the scored documents'
+    counted = np.arange(len(documents)) if config.protocol == "lm-eval-wikitext" else plan.scored_documents
     result = {
-        **corpus_metrics(scored.nll_sum, plan, int(bytes_by_document[plan.scored_documents].sum()),
-                         int(words_by_document[plan.scored_documents].sum())),
+        **corpus_metrics(scored.nll_sum, plan, int(bytes_by_document[counted].sum()),
+                         int(words_by_document[counted].sum())),
         "documents": len(documents), "corpus_sha256": corpus_digest,
         "documents_skipped": len(documents) - len(plan.scored_documents), "windows": len(plan.refs),
         **how_it_ran(acceleration, scored, plan, model, device, dtype, use_kv_cache, window, kv_cache),
