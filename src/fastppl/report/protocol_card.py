@@ -27,7 +27,7 @@ def _token(tokenizer: Tokenizer, token_id: Optional[int]) -> str:
     return "none" if token_id is None else f"{tokenizer.decode([token_id])!r} (id {token_id})"
 
 
-def _corpus(protocol: Optional[Protocol], n_documents: int) -> str:
+def _corpus(protocol: Optional[Protocol]) -> str:
     if protocol is None or protocol.join is None and not protocol.detokenize:
         return "one text, as read" if protocol and protocol.one_text else "each document scored on its own"
     if protocol.detokenize:
@@ -99,7 +99,7 @@ def protocol_card(config, protocol: Optional[Protocol], plan: WindowPlan, tokeni
     """The report's "protocol": every choice of the run, and with --protocol the figures as its tool reports them."""
     tokens, bos = _bos(config, protocol, tokenizer)
     card = {"name": protocol.name if protocol else None, "reproduces": protocol.reference if protocol else None,
-            "corpus": _corpus(protocol, result["documents"]), "tokens": tokens,
+            "corpus": _corpus(protocol), "tokens": tokens,
             **_windows(config.window, protocol, plan, ctx, sliding_stride(config.stride, ctx)), "bos": bos,
             "normaliser": _normaliser(protocol), "datasets": datasets}
     if protocol is not None:
