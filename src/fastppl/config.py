@@ -13,6 +13,9 @@ DTYPES = ("auto", "fp32", "bf16", "fp16")
 BACKENDS = ("auto", "native", "hf")
 BATCHING_SETTINGS = ("auto", "packed", "bucketed", "padded")
 MIN_BOOTSTRAP = 100
+# --protocol NAME and the windows it fixes (fastppl.data.protocols holds the rest of each)
+PROTOCOL_WINDOWS = {"lm-eval-rolling": "chunked", "hf-guide": "sliding", "gptq": "blocks", "llama.cpp": "blocks",
+                    "lm-eval-wikitext": "chunked"}
 
 
 def is_path_like(spec: str) -> bool:
@@ -41,7 +44,8 @@ class EvalConfig:
     group_by: Optional[str] = None      # .jsonl / hf: the field whose values group the documents' results
     data_dir: Optional[str] = None      # local copies of built-in corpora (or FASTPPL_DATA_DIR)
     errors: str = "strict"              # undecodable bytes: strict (error) or replace
-    window: str = "chunked"             # chunked | sliding, see fastppl.data.windows
+    window: str = "chunked"             # chunked | sliding, see fastppl.data.windows (blocks: set by a protocol)
+    protocol: Optional[str] = None      # a named protocol, see fastppl.data.protocols; it sets window
     ctx: Optional[int] = None           # tokens per window; None = the model's maximum
     stride: Optional[int] = None        # sliding only; None = ctx // 2
     bos: bool = False                   # sliding only: prefix BOS so that the first token is scored
@@ -66,7 +70,9 @@ class EvalConfig:
     checkpoint_batches: Optional[int] = None   # ... and every this many batches
 
     def __post_init__(self) -> None:
-        if self.window not in WINDOW_MODES:
+        if self.protocol is not None:
+            self._apply_protocol()
+        if self.window not in WINDOW_MODES and not (self.protocol and self.window == "blocks"):
             raise FastpplError(f"unknown --window {self.window!r}; use one of {', '.join(WINDOW_MODES)}")
         if self.dtype not in DTYPES:
             raise FastpplError(f"unknown --dtype {self.dtype!r}; use one of {', '.join(DTYPES)}")
@@ -107,6 +113,21 @@ class EvalConfig:
             raise FastpplError(f"--bootstrap-seed must be at least 0, got {self.bootstrap_seed}")
         if self.loss_chunk_rows < 1:
             raise FastpplError("--loss-chunk-rows must be at least 1")
+
+    def _apply_protocol(self) -> None:
+        """A protocol fixes the windows and the BOS rule: options that would change them are refused."""
+        if self.protocol not in PROTOCOL_WINDOWS:
+            raise FastpplError(f"unknown --protocol {self.protocol!r}; use one of {', '.join(PROTOCOL_WINDOWS)}")
+        window = PROTOCOL_WINDOWS[self.protocol]
+        if self.window not in ("chunked", window):   # chunked: the default, left as it is
+            raise FastpplError(f"--window {self.window} does not go with --protocol {self.protocol}, which fixes its "
+                               "windows; drop --window")
+        self.window = window
+        fixed = [flag for flag, given in (("--bos", self.bos), ("--kv-cache on", self.kv_cache == "on"),
+                                          ("--stride", self.stride is not None and window != "sliding")) if given]
+        if fixed:
+            raise FastpplError(f"{fixed[0]} does not go with --protocol {self.protocol}, which fixes what it would "
+                               f"change; drop {fixed[0]}")
 
     def to_dict(self) -> dict:
         return asdict(self)

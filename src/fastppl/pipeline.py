@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -22,6 +23,7 @@ from .config import EvalConfig
 from .data.batching import batch_from_plan, make_batch
 from .data.corpus import Document, Fields, corpus_sha256, load_documents
 from .data.packing import BatchPlan, plan_batches, split_rows
+from .data.protocols import CORPORA, PROTOCOLS, Protocol, read_protocol_corpus
 from .data.streams import WindowPlan, plan_corpus, sliding_stride, with_decoded_text
 from .data.tokenize import Tokenizer, default_tokenizer_name, encode_cached, load_tokenizer
 from .distributed import Distributed, init_distributed, shard_plans, stop_all_on_failure
@@ -32,6 +34,7 @@ from .errors import FastpplError
 from .models import load_model
 from .models.loading import position_limit_note
 from .report.progress import Progress
+from .report.protocol_card import protocol_card
 from .report.result import Scored, assemble_result
 from .report.stats import needs_token_sums
 from .resume import (NOT_IN_FINGERPRINT, Checkpointer, document_ids_sha256, model_files, run_fingerprint,
@@ -70,9 +73,7 @@ def evaluate(config: EvalConfig) -> dict:
     run = Run(config, device, resolve_dtype(config.dtype, device), dist, started)
     # overlaps the CUDA context's creation and Triton's first use with reading corpus, tokenizer and weights
     warm_ups = start_cuda_warm_up(device) if not dist else []
-    fields = Fields(config.text_field, config.id_field, config.group_by)
-    documents = [d for source in config.data for d in load_documents(
-        source, config.split, data_dir=config.data_dir, errors=config.errors, fields=fields)]
+    documents, protocol, datasets_read = read_corpus(config)
     run.stage_done("read_corpus")
     tokenizer = load_tokenizer(config.tokenizer or default_tokenizer_name(config.model))
     run.stage_done("load_tokenizer")
@@ -83,7 +84,7 @@ def evaluate(config: EvalConfig) -> dict:
     check_run_options(config, dist, use_kv_cache)   # before any work: after the batch-size probe they came late
     documents, tokens = tokenize(documents, tokenizer, model)
     run.stage_done("tokenize")
-    plan = plan_corpus(tokens, tokenizer, config.window, config.stride, config.bos, ctx)
+    plan = plan_corpus(tokens, tokenizer, config.window, config.stride, config.bos, ctx, protocol)
     corpus_digest = corpus_sha256(documents)   # the report's, and the resume fingerprint's
     run.stage_started = time.perf_counter()    # planning is no stage of its own: "prepare" starts here
     if dist:   # ranks that read other inputs would sum to a wrong result without a word
@@ -98,10 +99,27 @@ def evaluate(config: EvalConfig) -> dict:
     scored = score(run, model, plan, acceleration, score_fn, batches, ctx, use_kv_cache,
                    resume_fingerprint(run, documents, corpus_digest, tokenizer, acceleration, batches, plan))
     run.stage_seconds["scoring"] = scored.seconds
-    return assemble_result(config, run.device, run.dtype, documents, corpus_digest, tokens, tokenizer, model, plan,
-                           acceleration, scored, ctx=ctx, kv_cache=kv_cache_reason, use_kv_cache=use_kv_cache,
-                           stage_seconds=run.stage_seconds, started=started,
-                           world_size=dist.world_size if dist else None)
+    result = assemble_result(config, run.device, run.dtype, documents, corpus_digest, tokens, tokenizer, model, plan,
+                             acceleration, scored, ctx=ctx, kv_cache=kv_cache_reason, use_kv_cache=use_kv_cache,
+                             stage_seconds=run.stage_seconds, started=started,
+                             world_size=dist.world_size if dist else None)
+    result["protocol"] = protocol_card(config, protocol, plan, tokenizer, ctx, datasets_read, result,
+                                       float(scored.sums.position_nll_sq_sum.sum().item()))
+    return result
+
+
+def read_corpus(config: EvalConfig) -> tuple[list[Document], Optional[Protocol], list[dict]]:
+    """The documents to score, the protocol that prepared them (with its corpus' rules), and the datasets read."""
+    if config.protocol is None:
+        named = [s for s in config.data if s in CORPORA and not Path(s).exists()]
+        if named:
+            raise FastpplError(f"--data {named[0]} is a corpus of --protocol "
+                               f"{' or '.join(CORPORA[named[0]].protocols)}; add --protocol gptq")
+        fields = Fields(config.text_field, config.id_field, config.group_by)
+        return [d for source in config.data for d in load_documents(
+            source, config.split, data_dir=config.data_dir, errors=config.errors, fields=fields)], None, []
+    return read_protocol_corpus(PROTOCOLS[config.protocol], config.data, config.split, config.text_field,
+                                config.data_dir, config.errors)
 
 
 def check_model_fits(config: EvalConfig, tokenizer: Tokenizer, model: nn.Module) -> int:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..config import MIN_BOOTSTRAP, PROTOCOL_WINDOWS
 from ..errors import FastpplError
-from ..config import MIN_BOOTSTRAP
 from .args import (DEVICE_HELP, FLAG_OFF, MODEL_HELP, TOKENIZER_HELP, at_least, batch_size, check_model_given,
                    seed)
 
@@ -33,22 +33,29 @@ def _add_input_arguments(p) -> None:
     p.add_argument("--split", default="all", choices=["train", "val", "all"],
                    help="nanoGPT split of a single text: train = the first 90%% of its characters, val = the "
                         "last 10%%, all = the whole text (default: %(default)s)")
-    p.add_argument("--text-field", help="field of a .jsonl line or hf: dataset row holding the text (default: text)")
+    p.add_argument("--text-field", help="field of a .jsonl line or hf: dataset row holding the text (default: text; "
+                                        "page with --protocol lm-eval-wikitext)")
     p.add_argument("--id-field", help="field of a .jsonl line or hf: dataset row holding the document's id, which "
                                       "--per-doc writes (default: id where a record has one, else the line or row)")
     p.add_argument("--group-by", metavar="FIELD",
                    help="field of a .jsonl line or hf: dataset row whose values group the documents: tokens, NLL, "
                         "perplexity and bits per byte per group, and their micro and macro averages (default: none)")
-    p.add_argument("--data-dir", help="directory holding local copies of built-in corpora (default: "
+    p.add_argument("--data-dir", help="directory holding local copies of built-in corpora and of --protocol gptq's "
+                                      "wikitext2 (wiki.test.raw) and c4 (its validation shard) (default: "
                                       "$FASTPPL_DATA_DIR if set, else fastppl's cache, downloaded into on first use)")
     p.add_argument("--errors", default="strict", choices=["strict", "replace"],
                    help="undecodable UTF-8 bytes: strict = an error, replace = U+FFFD (default: %(default)s)")
 
 
 def _add_scoring_arguments(p) -> None:
+    p.add_argument("--protocol", choices=list(PROTOCOL_WINDOWS),
+                   help="a published tool's protocol, reproduced exactly: its corpus preparation, windows, BOS rule, "
+                        "tail and normaliser, stated in the report (see README: protocols; --data wikitext2 and c4 "
+                        "are gptq's corpora) (default: none: --window decides)")
     p.add_argument("--window", default="chunked", choices=["chunked", "sliding"],
                    help="chunked: every token scored once, disjoint windows from BOS; sliding: the HF guide's "
-                        "strided windows (see docs/windows-and-metrics.md) (default: %(default)s)")
+                        "strided windows (see docs/windows-and-metrics.md) (default: %(default)s; a --protocol "
+                        "sets its own)")
     p.add_argument("--ctx", type=int, help="tokens per window (default: the model's maximum)")
     p.add_argument("--stride", type=int, help="sliding: tokens between window starts (default: ctx/2)")
     p.add_argument("--bos", action="store_true", help="sliding: prefix BOS so that the first token is scored" + FLAG_OFF)
@@ -123,12 +130,17 @@ def config_from_args(args: argparse.Namespace):
                         ("--group-by", args.group_by)):
         if given is not None and not any(s.startswith("hf:") or Path(s).suffix == ".jsonl" for s in args.data):
             raise FastpplError(f"{flag} applies to .jsonl files and hf: datasets, and no --data is one; drop it")
+    if args.protocol and (args.id_field is not None or args.group_by is not None):
+        raise FastpplError("--id-field and --group-by apply without --protocol (a protocol fixes how its corpus is "
+                           "read); drop them or --protocol")
     from ..config import EvalConfig
+    from ..data.protocols import PROTOCOLS
+    default_field = PROTOCOLS[args.protocol].text_field if args.protocol else "text"
     return EvalConfig(
         model=args.model, data=args.data, tokenizer=args.tokenizer, split=args.split,
-        text_field="text" if args.text_field is None else args.text_field, id_field=args.id_field,
+        text_field=default_field if args.text_field is None else args.text_field, id_field=args.id_field,
         group_by=args.group_by, data_dir=args.data_dir, bootstrap=args.bootstrap, bootstrap_seed=args.bootstrap_seed,
-        errors=args.errors, window=args.window,
+        errors=args.errors, window=args.window, protocol=args.protocol,
         ctx=args.ctx, stride=args.stride, bos=args.bos, batch_size=args.batch_size, device=args.device,
         dtype=args.dtype, backend=args.backend, compile=args.compile, loss=args.loss, kv_cache=args.kv_cache,
         loss_chunk_rows=args.loss_chunk_rows, tune_products=args.tune_products,
@@ -197,8 +209,9 @@ def _check_and_relaunch(args: argparse.Namespace) -> int:
             raise FastpplError(f"{flag} runs in one process only; drop it or run without --nproc / torchrun")
     check_outputs(args)
     from ..data.corpus import BUILTINS
+    from ..data.protocols import CORPORA
     for spec in args.data:
-        if spec not in BUILTINS and not spec.startswith("hf:") and not Path(spec).expanduser().exists():
+        if spec not in BUILTINS and spec not in CORPORA and not spec.startswith("hf:") and not Path(spec).expanduser().exists():
             raise FastpplError(f"{spec}: no such file; check the --data path")
     return _relaunch(args)
 

@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import urllib.request
@@ -28,6 +29,13 @@ class Document:
     # is then "" until the pipeline decodes the ids, for bytes and words
     token_ids: Optional[np.ndarray] = field(default=None, compare=False, repr=False)
     group: Optional[str] = None   # the --group-by field's value (.jsonl, hf:), for per-group results
+    # the text whose words and bytes the metrics count, where a protocol scores a rewritten text (lm-eval's
+    # wikitext task scores the detokenized page and counts the original); None: text itself
+    counted_text: Optional[str] = field(default=None, compare=False, repr=False)
+
+    @property
+    def text_counted(self) -> str:
+        return self.text if self.counted_text is None else self.counted_text
 
 
 @dataclass(frozen=True)
@@ -190,7 +198,7 @@ def builtin_path(name: str, data_dir: Optional[str]) -> Path:
     return cached
 
 
-def _jsonl_documents(raw_text: str, path: Path, fields: Fields) -> list[Document]:
+def jsonl_documents(raw_text: str, path: Path, fields: Fields) -> list[Document]:
     documents, fallback_ids, text_field = [], [], fields.text
     # split on \n only: str.splitlines() also splits on U+2028, U+0085, ... that JSON strings may hold raw
     for line_number, line in enumerate(raw_text.split("\n"), start=1):
@@ -279,39 +287,76 @@ def parse_hf_source(source: str) -> tuple[str, Optional[str], str]:
     return parts[0], parts[1], parts[2]
 
 
-def hf_documents(source: str, fields: Fields) -> list[Document]:
-    name, config, split = parse_hf_source(source)
+def dataset_revision(dataset) -> Optional[str]:
+    """The hub commit a loaded dataset was read at, where `datasets` records it (its data files' hf://...@SHA
+    paths, or its cache folder named by the commit), else None."""
+    try:
+        places = [*(dataset.info.download_checksums or {}), *(f["filename"] for f in dataset.cache_files)]
+    except (AttributeError, KeyError, TypeError):
+        return None
+    for place in places:
+        found = re.search(r"@([0-9a-f]{40})\b", place) or re.search(r"/([0-9a-f]{40})/", place)
+        if found:
+            return found.group(1)
+    return None
+
+
+def load_hf_dataset(label: str, name: str, config: Optional[str], split: str, data_files: Optional[dict] = None):
+    """A Hugging Face dataset split through `datasets` (cached); label names the source in errors."""
     try:
         import datasets
     except ImportError:
         raise FastpplError(
-            f"--data {source}: reading Hugging Face datasets needs the `datasets` package; "
+            f"{label}: reading Hugging Face datasets needs the `datasets` package; "
             "pip install datasets, or export the split to a .jsonl file and pass that"
         ) from None
     try:
-        dataset = datasets.load_dataset(name, config, split=split)
+        return datasets.load_dataset(name, config, split=split, **({"data_files": data_files} if data_files else {}))
     except Exception as e:  # datasets raises many types for offline, unknown names, configs and splits
         raise FastpplError(
-            f"--data {source}: cannot load dataset {name!r} (config {config}, split {split}): {first_line(e)}; "
+            f"{label}: cannot load dataset {name!r} (config {config}, split {split}): {first_line(e)}; "
             "offline, it must already be in the datasets cache (HF_DATASETS_OFFLINE=1)"
         ) from None
-    columns, text_field = list(dataset.column_names), fields.text
-    for name, flag in ((text_field, "--text-field"), (fields.id, "--id-field"), (fields.group, "--group-by")):
+
+
+def _check_columns(label: str, columns: list[str], fields: "Fields") -> None:
+    for name, flag in ((fields.text, "--text-field"), (fields.id, "--id-field"), (fields.group, "--group-by")):
         if name is not None and name not in columns:
-            raise FastpplError(f"--data {source}: no field {name!r}; its fields are {', '.join(columns)}; "
-                               f"pass {flag} NAME")
-    # the columns a document needs, read column by column (a dataset reads a column at once, not row by row)
-    wanted = [c for c in dict.fromkeys((text_field, fields.id or "id", fields.group)) if c in columns]
-    values = {c: dataset[c] for c in wanted}
-    documents = []
-    for row, text in enumerate(values[text_field]):
+            raise FastpplError(f"{label}: no field {name!r}; its fields are {', '.join(columns)}; pass {flag} NAME")
+
+
+def _check_texts(label: str, texts, text_field: str) -> None:
+    for row, text in enumerate(texts):
         if not isinstance(text, str):
-            raise FastpplError(f"--data {source}: row {row}: field {text_field!r} is not a string; pick the text field with --text-field")
-        record = {c: values[c][row] for c in wanted}
-        documents.append(_record_document(record, f"--data {source}: row {row}", f"{source}:{row}", fields))
-    if not documents:
-        raise FastpplError(f"--data {source}: the split holds no rows")
-    return unique_ids(documents, [f"{source}:{row}" for row in range(len(documents))], f"--data {source}", fields)
+            raise FastpplError(f"{label}: row {row}: field {text_field!r} is not a string; pick the text field with --text-field")
+    if not texts:
+        raise FastpplError(f"{label}: the split holds no rows")
+
+
+def hf_rows(label: str, name: str, config: Optional[str], split: str, text_field: str,
+            data_files: Optional[dict] = None) -> tuple[list[str], Optional[str]]:
+    """The text field of every row of a Hugging Face dataset split, and the hub revision it was read at (None
+    where unknown)."""
+    dataset = load_hf_dataset(label, name, config, split, data_files)
+    _check_columns(label, list(dataset.column_names), Fields(text_field))
+    texts = list(dataset[text_field])
+    _check_texts(label, texts, text_field)
+    return texts, dataset_revision(dataset)
+
+
+def hf_documents(source: str, fields: Fields) -> list[Document]:
+    name, config, split = parse_hf_source(source)
+    label = f"--data {source}"
+    dataset = load_hf_dataset(label, name, config, split)
+    columns = list(dataset.column_names)
+    _check_columns(label, columns, fields)
+    # the columns a document needs, read column by column (a dataset reads a column at once, not row by row)
+    wanted = [c for c in dict.fromkeys((fields.text, fields.id or "id", fields.group)) if c in columns]
+    values = {c: dataset[c] for c in wanted}
+    _check_texts(label, values[fields.text], fields.text)
+    documents = [_record_document({c: values[c][row] for c in wanted}, f"{label}: row {row}", f"{source}:{row}", fields)
+                 for row in range(len(values[fields.text]))]
+    return unique_ids(documents, [f"{source}:{row}" for row in range(len(documents))], label, fields)
 
 
 def load_documents(
@@ -349,7 +394,7 @@ def load_documents(
     if path.suffix == ".jsonl":
         if split != "all":
             raise FastpplError("--split train/val applies to a single text; use --split all with .jsonl")
-        documents = _jsonl_documents(text, path, fields)
+        documents = jsonl_documents(text, path, fields)
         if not documents:
             raise FastpplError(f"{path}: holds no documents")
         return documents

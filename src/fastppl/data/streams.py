@@ -13,7 +13,8 @@ from ..errors import FastpplError
 from .batching import WindowRef
 from .corpus import Document
 from .tokenize import Tokenizer
-from .windows import chunked_windows, sliding_windows
+from .protocols import Protocol
+from .windows import block_windows, chunked_windows, sliding_windows
 
 
 @dataclass
@@ -43,16 +44,42 @@ def make_streams(tokens: list[np.ndarray], bos_id: Optional[int], use_bos: bool)
     return streams
 
 
-def plan_windows(window: str, stride: Optional[int], streams: list[Stream], ctx: int) -> list[WindowRef]:
-    """Every stream's windows, in order: chunked (lm-eval's rolling windows) or sliding (the HF guide's)."""
+def plan_windows(window: str, stride: Optional[int], streams: list[Stream], ctx: int,
+                 protocol: Optional[Protocol] = None) -> list[WindowRef]:
+    """Every stream's windows, in order: chunked (lm-eval's rolling windows), sliding (the HF guide's) or blocks
+    (a protocol's: GPTQ's, llama.cpp's)."""
     refs = []
     for doc, stream in enumerate(streams):
         if window == "chunked":
             windows = chunked_windows(len(stream.ids) - 1, ctx)
-        else:
+        elif window == "sliding":
             windows = sliding_windows(len(stream.ids), ctx, sliding_stride(stride, ctx))
+        else:
+            windows = block_windows(len(stream.ids), ctx, ctx // 2 if protocol.score_second_half else 0,
+                                    protocol.max_blocks)
         refs.extend(WindowRef(doc, w) for w in windows)
     return refs
+
+
+def check_blocks(protocol: Protocol, streams: list[Stream], ctx: int) -> None:
+    """A blocks protocol's one text holds at least min_blocks blocks of ctx tokens (llama-perplexity refuses
+    fewer than two), and a block scores something."""
+    if protocol.score_second_half and ctx < 3:
+        raise FastpplError(f"--protocol {protocol.name} scores positions from ctx/2 to ctx-2, none with --ctx {ctx}; "
+                           "use --ctx 3 or more")
+    n_stream = sum(len(s.ids) for s in streams)
+    if n_stream < protocol.min_blocks * ctx:
+        what = "one block" if protocol.min_blocks == 1 else f"{protocol.min_blocks} x --ctx = {protocol.min_blocks * ctx}"
+        raise FastpplError(f"--protocol {protocol.name} needs at least {what} tokens, and the text has {n_stream}; "
+                           "lower --ctx or pass a longer text")
+
+
+def with_bos_each_block(stream: Stream, ctx: int, bos_id: int) -> Stream:
+    """llama.cpp's rule: the first token of every block reads as BOS. Those positions are never targets, so the
+    stream keeps its coordinates and every target its token."""
+    ids = stream.ids.copy()
+    ids[::ctx] = bos_id
+    return dataclasses.replace(stream, ids=ids)
 
 
 @dataclass
@@ -88,18 +115,27 @@ class WindowPlan:
 
 
 def plan_corpus(tokens: list[np.ndarray], tokenizer: Tokenizer, window: str, stride: Optional[int],
-                bos: bool, ctx: int) -> WindowPlan:
+                bos: bool, ctx: int, protocol: Optional[Protocol] = None) -> WindowPlan:
     """The windows of every document, refusing a corpus with nothing to score. Documents with nothing to score
-    (empty, or one token when sliding without --bos) are skipped."""
+    (empty, or one token when sliding without --bos) are skipped. A protocol that tokenizes as the tokenizer does
+    by default starts each stream with the token the tokenizer adds (Llama: BOS; GPT-2: none)."""
     n_tokens = sum(len(t) for t in tokens)
-    use_bos = window == "chunked" or bos
     if n_tokens < 2:   # a corpus, not a document: one document of a set may well be a single token
         raise FastpplError(f"the corpus has {n_tokens} token(s); at least 2 are needed; pass a longer text")
-    if use_bos and tokenizer.bos_id is None:
-        raise FastpplError(f"tokenizer {tokenizer.name!r} has no BOS or end-of-text token to condition on; "
-                           "use --window sliding without --bos")
-    streams = make_streams(tokens, tokenizer.bos_id, use_bos)
-    refs = plan_windows(window, stride, streams, ctx)
+    if protocol is not None and protocol.tokenizer_bos:
+        bos_id = tokenizer.default_prefix()
+        use_bos = bos_id is not None
+    else:
+        bos_id, use_bos = tokenizer.bos_id, window == "chunked" or bos
+        if use_bos and bos_id is None:
+            raise FastpplError(f"tokenizer {tokenizer.name!r} has no BOS or end-of-text token to condition on; "
+                               "use --window sliding without --bos")
+    streams = make_streams(tokens, bos_id, use_bos)
+    if window == "blocks":
+        check_blocks(protocol, streams, ctx)
+        if protocol.bos_each_block and use_bos:
+            streams = [with_bos_each_block(s, ctx, bos_id) for s in streams]
+    refs = plan_windows(window, stride, streams, ctx, protocol)
     scored_by_window = np.array([r.window.n_scored for r in refs], dtype=np.int64)
     if scored_by_window.sum() == 0:
         raise FastpplError("no token can be scored (every document is a single token); add text or use --bos")
@@ -114,7 +150,7 @@ def scored_bytes_by_document(documents: list[Document], tokens: list[np.ndarray]
     """(n_documents,) UTF-8 bytes of each document's scored text: all of it, less the bytes of the tokens
     no window scores (sliding: each document's first token without --bos, and with --stride equal to
     --ctx each window's first)."""
-    total = np.array([len(d.text.encode("utf-8")) for d in documents], dtype=np.int64)
+    total = np.array([len(d.text_counted.encode("utf-8")) for d in documents], dtype=np.int64)
     scored = [np.zeros(len(t), dtype=bool) for t in tokens]
     for ref in plan.refs:
         w, stream = ref.window, plan.streams[ref.doc]

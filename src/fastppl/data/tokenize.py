@@ -33,6 +33,18 @@ class Tokenizer:
     def n_bytes(self, ids) -> int:
         return len(self.decode(ids).encode("utf-8"))
 
+    def default_prefix(self) -> Optional[int]:
+        """The token the tokenizer puts before a text by default (Llama's BOS), or None (GPT-2's puts none):
+        what `tokenizer(text)` in transformers and llama.cpp's tokenizer prepend. A tokenizer that adds more
+        (several tokens, or one after the text) is refused: the protocols that use this rule add one BOS."""
+        plain = self.backend.encode("a", add_special_tokens=False).ids
+        full = self.backend.encode("a", add_special_tokens=True).ids
+        added = len(full) - len(plain)
+        if added > 1 or full[added:] != plain:
+            raise FastpplError(f"tokenizer {self.name!r} adds {full} around a text's {plain} by default, not one BOS "
+                               "in front; this protocol needs a tokenizer that adds one BOS or nothing")
+        return full[0] if added else None
+
     def token_n_bytes(self, ids: np.ndarray, i: int) -> int:
         """UTF-8 bytes that token ids[i] adds to the decoded text. Decoded after up to 8 tokens of left
         context, not alone, because decoders treat the start of a text specially (SentencePiece drops

@@ -33,6 +33,18 @@ sliding (the strided loop of the Hugging Face guide "Perplexity of fixed-length 
         s[2:6]           t2 t3 t4      t4 t5             (start 2, length 3, score_from 1)
         s[4:7]           t4 t5         t6                (start 4, length 2, score_from 1)
                                       (stops: the window reached the end of the stream)
+
+blocks (GPTQ's evaluation loop; llama.cpp's perplexity with score_from = ctx // 2)
+    The stream is cut into n = n_stream // ctx disjoint blocks of ctx tokens; the tail (fewer than ctx
+    tokens) is dropped. Each block reads its first ctx - 1 tokens and scores window positions
+    score_from .. ctx - 2, i.e. its targets score_from + 1 .. ctx - 1: its first token is never a target.
+
+    Worked example: 7 tokens, ctx = 3, score_from = 0. Stream s = t0..t6.
+
+        block    reads      scored targets
+        s[0:3]   t0 t1      t1 t2      (start 0, length 2, score_from 0)
+        s[3:6]   t3 t4      t4 t5      (start 3, length 2, score_from 0)
+                                       (t6, the tail, is dropped)
 """
 from __future__ import annotations
 
@@ -83,3 +95,11 @@ def sliding_windows(n_stream: int, ctx: int, stride: int) -> list[Window]:
         if end == n_stream:
             break
     return windows
+
+
+def block_windows(n_stream: int, ctx: int, score_from: int = 0, max_blocks: int | None = None) -> list[Window]:
+    """Disjoint blocks of ctx stream tokens (at most max_blocks), the tail dropped; each scores positions
+    score_from .. ctx - 2."""
+    assert ctx >= 2 and 0 <= score_from <= ctx - 2
+    n_blocks = n_stream // ctx if max_blocks is None else min(n_stream // ctx, max_blocks)
+    return [Window(start=b * ctx, length=ctx - 1, score_from=score_from) for b in range(n_blocks)]

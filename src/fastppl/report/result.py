@@ -139,14 +139,16 @@ def assemble_result(config, device: torch.device, dtype: torch.dtype, documents:
     """The report's fields ("_per_token" and "_per_doc" hold what goes to --per-token and --per-doc); started:
     the run's perf_counter() at its start, for wall_seconds."""
     bytes_by_document = scored_bytes_by_document(documents, tokens, plan, tokenizer)
-    words_by_document = np.array([lm_eval_word_count(d.text) for d in documents], dtype=np.int64)
+    words_by_document = np.array([lm_eval_word_count(d.text_counted) for d in documents], dtype=np.int64)
     scored_here = plan.n_scored - scored.scored_before
     window = {"ctx": ctx, "stride": sliding_stride(config.stride, ctx) if config.window == "sliding" else None,
               "window": config.window}
     positions = by_position(scored.sums)
+    # lm-eval's wikitext task counts the words of every page, an empty one's too; elsewhere the scored documents'
+    counted = np.arange(len(documents)) if config.protocol == "lm-eval-wikitext" else plan.scored_documents
     result = {
-        **corpus_metrics(scored.nll_sum, plan, int(bytes_by_document[plan.scored_documents].sum()),
-                         int(words_by_document[plan.scored_documents].sum())),
+        **corpus_metrics(scored.nll_sum, plan, int(bytes_by_document[counted].sum()),
+                         int(words_by_document[counted].sum())),
         **error_bars(config, documents, tokens, tokenizer, plan, scored.sums, scored.nll_sum, bytes_by_document),
         "documents": len(documents), "corpus_sha256": corpus_digest,
         "documents_skipped": len(documents) - len(plan.scored_documents), "windows": len(plan.refs),

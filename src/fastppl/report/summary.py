@@ -44,6 +44,9 @@ def summary(result: dict) -> str:
     ]
     if result.get("bootstrap"):
         lines.append(bootstrap_line(result["bootstrap"]))
+    card = result.get("protocol") or {}
+    if card.get("reported"):
+        lines.append(f"protocol    {card['name']}: {card['reported']['line']}")
     if result.get("kv_cache", "").startswith("on"):
         run, without = result["tokens_forwarded"], result["tokens_forwarded_without_cache"]
         lines.append(f"kv cache    {result['kv_cache']}: {run:,} token positions run instead of {without:,} "
