@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..errors import FastpplError
+from ..errors import FastpplError, no_such
 from .args import DEVICE_HELP, FLAG_OFF, MODEL_HELP, TOKENIZER_HELP, batch_size, check_model_given, seed
 
 DESCRIPTION = ("NLL, perplexity and bits per byte of a model over a corpus. "
@@ -184,7 +184,7 @@ def _check_and_relaunch(args: argparse.Namespace) -> int:
     from ..data.corpus import BUILTINS
     for spec in args.data:
         if spec not in BUILTINS and not spec.startswith("hf:") and not Path(spec).expanduser().exists():
-            raise FastpplError(f"{spec}: no such file; check the --data path")
+            raise FastpplError(f"{spec}: {no_such(spec)}; check the --data path")
     return _relaunch(args)
 
 
