@@ -3,6 +3,7 @@ gloo, the reference test (two ranks = one process) and the failure protocol."""
 import json
 from dataclasses import dataclass
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -358,6 +359,29 @@ def test_under_torchrun_a_raising_rank_fails_the_job(tmp_path, tokenizer_dir):
     assert "RuntimeError: injected failure on rank 1 (FASTPPL_FAULT)" in done.stderr
     assert time.monotonic() - started < 60
     assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.slow
+def test_nproc_names_a_rank_killed_by_a_signal_in_one_line(tmp_path, tokenizer_dir):
+    """kill -9 of a rank gave exit 137 and nothing on stderr: torchrun's launcher says which rank died and how."""
+    done = subprocess.run([sys.executable, "-m", "fastppl", *_long_job(tmp_path, tokenizer_dir), "--nproc", "2"],
+                          env=_env(FASTPPL_FAULT="rank-fails:1:kill"), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 128 + signal.SIGKILL, done.stderr[-3000:]
+    assert done.stderr == ("fastppl: error: rank 1 was killed by SIGKILL (signal 9) (kill -9, or the system's "
+                           "out-of-memory killer: see dmesg); the job stopped and wrote no result\n")
+    assert done.stdout == "" and not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.slow
+def test_nproc_interrupted_says_so_once(tmp_path, tokenizer_dir):
+    """Ctrl-C reaches the terminal's process group (here: the fastppl process's own); before, the launcher's
+    traceback and each rank's "fastppl: interrupted" followed, with TCPStore's C++ frames at times."""
+    done = subprocess.run([sys.executable, "-m", "fastppl", *_long_job(tmp_path, tokenizer_dir), "--nproc", "2"],
+                          env=_env(FASTPPL_FAULT="interrupt-after-batches:2"), capture_output=True, text=True,
+                          timeout=120, start_new_session=True)
+    assert done.returncode == 130, done.stderr[-3000:]
+    assert done.stderr == "fastppl: interrupted\n"
+    assert done.stdout == "" and not (tmp_path / "r.json").exists()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -41,11 +41,13 @@ def eval_args(tokenizer_dir, corpus_dir, out_dir: Path, *extra):
             "--batching", "packed", *extra]   # the mode with the most state per batch
 
 
-def run_cli(args, kill_after=None):
+def run_cli(args, kill_after=None, fault=None):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(FAULTS), str(SRC)]), OMP_NUM_THREADS="1")
     env.pop("FASTPPL_FAULT", None)
     if kill_after is not None:
-        env["FASTPPL_FAULT"] = f"kill-after-batches:{kill_after}"
+        fault = f"kill-after-batches:{kill_after}"
+    if fault is not None:
+        env["FASTPPL_FAULT"] = fault
     return subprocess.run([sys.executable, "-m", "fastppl", *args], env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -139,6 +141,15 @@ def test_finished_checkpoint_reruns_without_scoring_and_other_arguments_are_refu
         error = capsys.readouterr().err
         assert "is not a readable fastppl checkpoint" in error and error.count("\n") == 1, (what, error)
 
+    # NaN sums: refused at load (before, the run went on to end in "the model produced a non-finite loss")
+    for name in ("nll_sum", "position_nll_sq_sum"):
+        poisoned = dict(good, **{name: np.full_like(good[name], np.nan)})
+        with open(checkpoint_dir / CHECKPOINT_FILE, "wb") as f:
+            np.savez(f, **poisoned)
+        assert main(args) == 2, name
+        error = capsys.readouterr().err
+        assert "its sums are not finite (NaN or infinity)" in error and error.count("\n") == 1, (name, error)
+
     not_a_directory = tmp_path / "file"
     not_a_directory.write_text("x")
     assert main(eval_args(tokenizer_dir, corpus_dir, tmp_path, "--resume", str(not_a_directory))) == 2
@@ -148,9 +159,9 @@ def test_finished_checkpoint_reruns_without_scoring_and_other_arguments_are_refu
 def test_a_checkpoint_of_other_text_seed_or_model_files_is_refused(
         tokenizer_dir, corpus_dir, tiny_trained_checkpoint, tmp_path, capsys):
     """Not only the arguments: the corpus's text (same file names and lengths, one character changed), a document's
-    name (same texts), the
-    random weights' seed, and the files of a local checkpoint directory (retrained at the same path) each
-    make the checkpoint another run's."""
+    name (same texts), the random weights' seed, and the contents of a local checkpoint directory's files (retrained
+    at the same path, with the same size and modification time) each make the checkpoint another run's; a new
+    modification time of the same weights does not."""
     corpus = tmp_path / "corpus"
     shutil.copytree(corpus_dir, corpus)
     out = tmp_path / "out"
@@ -186,8 +197,15 @@ def test_a_checkpoint_of_other_text_seed_or_model_files_is_refused(
     capsys.readouterr()
     weights = model / "model.safetensors"
     stat = weights.stat()
-    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # retrained: other mtime
-    refused(with_model, "model")
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # copied again: other mtime, same weights
+    assert main(with_model) == 0
+    capsys.readouterr()
+    stat = weights.stat()
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 1                     # the last weight's lowest mantissa bit: retrained, same size and mtime
+    weights.write_bytes(bytes(raw))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    refused(with_model, "model_files")
 
 
 def test_checkpoints_by_time_alone_and_a_checkpoint_of_another_plan_is_refused(tokenizer_dir, corpus_dir, tmp_path):
@@ -209,3 +227,58 @@ def test_checkpoints_by_time_alone_and_a_checkpoint_of_another_plan_is_refused(t
     refused = run_cli(args)
     assert refused.returncode == 2 and "do not match this run's plan" in refused.stderr, refused.stderr
     assert refused.stderr.count("\n") == 1 and not (tmp_path / "r.json").exists()
+
+
+def test_the_same_run_given_otherwise_is_resumed(tokenizer_dir, corpus_dir, tiny_trained_checkpoint, tmp_path,
+                                                 monkeypatch, capsys):
+    """Arguments are compared as resolved: --ctx 256 is the default ctx of this model, and a relative path names the
+    same model (and, by default, tokenizer) as the absolute one (both were refused as other arguments)."""
+    def finished_without_scoring(argv):
+        assert main(argv) == 0, capsys.readouterr().err
+        result = json.loads((tmp_path / "r.json").read_text())
+        assert result["windows_scored_this_run"] == 0 and result["resumed_from_batch"] == result["batches"]
+
+    args = eval_args(tokenizer_dir, corpus_dir, tmp_path, "--resume", str(tmp_path / "ckpt"))
+    at = args.index("--ctx")
+    default_ctx = args[:at] + args[at + 2:]
+    assert main(default_ctx) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["ctx"] == 256
+    finished_without_scoring(args[:at] + ["--ctx", "256"] + args[at + 2:])
+
+    shutil.copytree(tiny_trained_checkpoint, tmp_path / "model")
+    with_model = eval_args(tokenizer_dir, corpus_dir, tmp_path, "--resume", str(tmp_path / "ckpt-model"))
+    at = with_model.index("--tokenizer")
+    with_model = with_model[:at] + with_model[at + 2:]   # the model's own
+    with_model[with_model.index("--model") + 1] = str(tmp_path / "model")
+    assert main(with_model) == 0
+    monkeypatch.chdir(tmp_path)
+    finished_without_scoring([value if value != str(tmp_path / "model") else "./model" for value in with_model])
+
+
+def test_temporary_files_of_a_save_cut_by_a_kill_are_removed_by_the_next_run(tokenizer_dir, corpus_dir, tmp_path):
+    """A kill between writing a checkpoint's (or an output's) temporary file and its rename left .NAME.XXXXXXXX
+    files behind for good; the next run removes them, and still ends with the uninterrupted result."""
+    reference_dir, out_dir, checkpoint_dir = (tmp_path / name for name in ("reference", "out", "ckpt"))
+    reference_dir.mkdir()
+    out_dir.mkdir()
+    assert main(eval_args(tokenizer_dir, corpus_dir, reference_dir)) == 0
+    args = eval_args(tokenizer_dir, corpus_dir, out_dir, "--resume", str(checkpoint_dir), "--checkpoint-batches", "3",
+                     "--checkpoint-seconds", "1e9")
+    temporaries = lambda directory: sorted(p.name for p in directory.iterdir() if p.name.startswith("."))  # noqa: E731
+
+    killed = run_cli(args, fault="kill-while-writing:checkpoint.npz")   # in the first save
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert not (checkpoint_dir / CHECKPOINT_FILE).exists()
+    assert [name[:-8] for name in temporaries(checkpoint_dir)] == [f".{CHECKPOINT_FILE}."]
+
+    killed = run_cli(args, fault="kill-while-writing:docs.jsonl")       # in the writing of the outputs
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert temporaries(checkpoint_dir) == [] and (checkpoint_dir / CHECKPOINT_FILE).exists()
+    assert [name[:-8] for name in temporaries(out_dir)] == [".docs.jsonl.", ".tokens.npy."]
+    assert not (out_dir / "r.json").exists()
+
+    final = run_cli(args)
+    assert final.returncode == 0, final.stderr
+    assert temporaries(out_dir) == [] and temporaries(checkpoint_dir) == []
+    resumed, reference = (json.loads((d / "r.json").read_text()) for d in (out_dir, reference_dir))
+    assert all(resumed[field] == reference[field] for field in EXACT_FIELDS)

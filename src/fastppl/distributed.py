@@ -33,6 +33,7 @@ import atexit
 import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -388,9 +389,8 @@ def without_nproc(argv: Sequence[str]) -> list[str]:
     return out
 
 
-# set for the ranks that --nproc starts: a rank other than 0 waits RANK_ERROR_DELAY_S before printing an error, so
-# that an error every rank meets (bad input) is printed once, by rank 0, whose exit makes torchrun stop the others
-RELAUNCHED_ENV = "FASTPPL_NPROC_RELAUNCH"
+# under --nproc a rank other than 0 waits RANK_ERROR_DELAY_S before printing an error, so that an error every rank
+# meets (bad input) is printed once, by rank 0, whose exit makes torchrun stop the others
 RANK_ERROR_DELAY_S = 2.0
 
 
@@ -402,16 +402,36 @@ def torchrun_command(nproc: int, fastppl_argv: Sequence[str]) -> list[str]:
 
 
 def relaunch_under_torchrun(nproc: int, argv: Sequence[str]) -> int:
-    """Run `fastppl <argv>` as nproc ranks on this machine; the first failed rank's exit status is ours."""
+    """Run `fastppl <argv>` as nproc ranks on this machine; the first failed rank's exit status is ours.
+
+    torchrun runs in a session of its own, and SIGINT, SIGTERM and SIGHUP reach it from here, once: a Ctrl-C that
+    reached every process of the terminal's group would be answered by each. Interrupted, the ranks stop
+    silently (fastppl.launch) and KeyboardInterrupt is raised here, for the CLI's one line."""
     if launch_env() is not None:
         raise FastpplError("--nproc starts torchrun itself; drop it when the command already runs under torchrun")
+    from .launch import RELAUNCHED_ENV, shell_status   # not at the top: `python -m fastppl.launch` imports this
     env = dict(os.environ, **{RELAUNCHED_ENV: "1"})
     env.setdefault("OMP_NUM_THREADS", "1")   # what torchrun sets for several ranks, without its five-line banner
-    from .launch import shell_status
-    return shell_status(subprocess.run(torchrun_command(nproc, without_nproc(argv)), env=env).returncode)
+    launcher = subprocess.Popen(torchrun_command(nproc, without_nproc(argv)), env=env, start_new_session=True)
+    received = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        launcher.send_signal(signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        returncode = launcher.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if received and received[0] == signal.SIGINT:
+        raise KeyboardInterrupt
+    return 128 + received[0] if received else shell_status(returncode)
 
 
 def delay_a_ranks_error() -> None:
-    """Under --nproc, a rank other than 0 waits before printing its error: see RELAUNCHED_ENV."""
-    if os.environ.get(RELAUNCHED_ENV) and os.environ.get("RANK", "0") != "0":
+    """Under --nproc, a rank other than 0 waits before printing its error: see RANK_ERROR_DELAY_S."""
+    from .launch import is_rank_under_nproc
+    if is_rank_under_nproc() and os.environ.get("RANK", "0") != "0":
         time.sleep(RANK_ERROR_DELAY_S)

@@ -1,4 +1,8 @@
 """User-facing errors: one line that names the problem and what to do; the CLI exits 2 on them."""
+import errno
+import os
+import re
+from typing import Optional
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -15,3 +19,31 @@ def first_line(error: BaseException, limit: int = 200) -> str:
     what a one-line FastpplError quotes of a library's exception."""
     text = str(error).strip()
     return (text.splitlines()[0] if text else type(error).__name__)[:limit]
+
+
+def is_link_loop(path) -> bool:
+    """Whether path leads through a loop of symbolic links (which pathlib's exists() reads as missing)."""
+    try:
+        os.stat(os.path.expanduser(path))
+    except OSError as e:
+        return e.errno == errno.ELOOP
+    return False
+
+
+def no_such(path, what: str = "file") -> str:
+    """Why path is not there, for a one-line error: "no such file", or that it is a loop of symbolic links."""
+    return f"is a loop of symbolic links, not a {what}" if is_link_loop(path) else f"no such {what}"
+
+
+_ALLOCATION = re.compile(r"allocate\s+(\d+(?:\.\d+)?)\s*(bytes|[KMGTPE]i?B)?", re.IGNORECASE)
+
+
+def allocation_gib(error: BaseException) -> Optional[float]:
+    """The size of the allocation an out-of-memory error names, in GiB (torch's CUDA and CPU allocators and numpy
+    say "allocate 465.66 GiB", "allocate 500000000000000 bytes", "allocate 3.64 TiB"); None if it names none."""
+    found = _ALLOCATION.search(str(error))
+    if found is None:
+        return None
+    unit = (found.group(2) or "bytes").upper().replace("I", "")
+    scale = {"BYTES": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40, "PB": 2**50, "EB": 2**60}[unit]
+    return float(found.group(1)) * scale / 2**30

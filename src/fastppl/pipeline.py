@@ -97,7 +97,7 @@ def evaluate(config: EvalConfig) -> dict:
     batches = choose_batches(run, model, plan, acceleration, score_fn, ctx)
     run.stage_done("choose_batch_size")
     scored = score(run, model, plan, acceleration, score_fn, batches, ctx, use_kv_cache,
-                   resume_fingerprint(run, documents, corpus_digest, tokenizer, acceleration, batches, plan))
+                   resume_fingerprint(run, documents, corpus_digest, tokenizer, acceleration, batches, plan, ctx))
     run.stage_seconds["scoring"] = scored.seconds
     result = assemble_result(config, run.device, run.dtype, documents, corpus_digest, tokens, tokenizer, model, plan,
                              acceleration, scored, ctx=ctx, kv_cache=kv_cache_reason, use_kv_cache=use_kv_cache,
@@ -216,15 +216,18 @@ def choose_batches(run: Run, model: nn.Module, plan: WindowPlan, acceleration: A
 
 
 def resume_fingerprint(run: Run, documents: list[Document], corpus_digest: str, tokenizer: Tokenizer,
-                       acceleration: Acceleration, batches: Batches, plan: WindowPlan) -> Optional[dict]:
+                       acceleration: Acceleration, batches: Batches, plan: WindowPlan, ctx: int) -> Optional[dict]:
     """What a checkpoint must match to be resumed (None without --resume)."""
-    if not run.config.resume:
+    config = run.config
+    if not config.resume:
         return None
+    resolved = dict(ctx=ctx, tokenizer=config.tokenizer or default_tokenizer_name(config.model),
+                    stride=sliding_stride(config.stride, ctx) if config.window == "sliding" else None,
+                    batch_size=batches.size, batching=acceleration.batching, device=str(run.device),
+                    dtype=str(run.dtype))
     return run_fingerprint(
-        run.config.to_dict(), corpus_sha256=corpus_digest,
-        document_ids_sha256=document_ids_sha256(documents), tokenizer_fingerprint=tokenizer.fingerprint,
-        model_files=model_files(run.config.model), resolved_device=str(run.device), resolved_dtype=str(run.dtype),
-        resolved_batching=acceleration.batching, resolved_batch_size=batches.size, windows=len(plan.refs),
+        config.to_dict(), resolved, corpus_sha256=corpus_digest, document_ids_sha256=document_ids_sha256(documents),
+        tokenizer_fingerprint=tokenizer.fingerprint, model_files=model_files(config.model), windows=len(plan.refs),
         fastppl=__version__,
     )
 

@@ -26,10 +26,10 @@ import torch
 from .data.packing import BatchPlan
 from .engine.score import DeviceSums
 from .errors import FastpplError
-from .report.files import write_atomic
+from .report.files import remove_stale_temporaries, write_atomic
 
 CHECKPOINT_FILE = "checkpoint.npz"
-FORMAT_VERSION = 2   # 2: every DeviceSums field is checkpointed (1 lacked the squared sums)
+FORMAT_VERSION = 3   # 2: every DeviceSums field is checkpointed (1 lacked the squared sums); 3: resolved arguments
 # EvalConfig fields that do not change what is computed: where results go, how often to checkpoint, and whether
 # products are tuned (a tuned product gives torch's result bit for bit)
 NOT_IN_FINGERPRINT = ("quiet", "resume", "per_doc", "checkpoint_seconds", "checkpoint_batches", "tune_products")
@@ -48,11 +48,28 @@ def document_ids_sha256(documents) -> str:
 
 
 def model_files(spec: str) -> Optional[list]:
-    """(name, size, mtime) of a local checkpoint directory's files: a retrained model at the same path differs."""
+    """(name, sha256 of the contents) of a local checkpoint directory's files: weights retrained at the same path
+    differ even with the same size and modification time. A full hash, not a sample: about 1.5 s a GB on one core,
+    paid once per --resume run, against hours of scoring; a sampled digest could miss a few changed weights."""
     path = Path(spec).expanduser()
     if not path.is_dir():
         return None
-    return [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(path.iterdir()) if p.is_file()]
+    return [[p.name, file_sha256(p)] for p in sorted(path.iterdir()) if p.is_file()]
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def resolved_path(spec: Optional[str]) -> Optional[str]:
+    """A local path as an absolute one (./model and /home/me/model are the same run); names as given."""
+    if spec is None or not Path(spec).expanduser().exists():
+        return spec
+    return str(Path(spec).expanduser().resolve())
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -65,9 +82,16 @@ def weights_digest(model: torch.nn.Module) -> str:
     return hashlib.sha256(json.dumps(described).encode()).hexdigest()
 
 
-def run_fingerprint(config_dict: dict, **derived) -> dict:
-    """What must match for a checkpoint to be resumed: the arguments and what they resolved to."""
+def run_fingerprint(config_dict: dict, resolved: dict, **derived) -> dict:
+    """What must match for a checkpoint to be resumed: the arguments, with the values they resolved to in place of
+    those that resolve (resolved: {argument: value}, e.g. ctx None -> 256: --ctx 256 and the default are one
+    run), and what the inputs are (derived: digests of the corpus, tokenizer and model files, ...)."""
     fingerprint = {k: v for k, v in config_dict.items() if k not in NOT_IN_FINGERPRINT}
+    assert set(resolved) <= set(fingerprint), "only arguments resolve"
+    fingerprint.update(resolved)
+    # --data paths stay as given: they are the documents' ids, which the per-document results name
+    fingerprint.update(model=resolved_path(fingerprint["model"]), tokenizer=resolved_path(fingerprint["tokenizer"]),
+                       data_dir=resolved_path(fingerprint["data_dir"]))
     assert not set(derived) & set(fingerprint), "a derived value would hide an argument"
     fingerprint["per_token"] = bool(fingerprint.get("per_token"))   # the path may move, the buffer may not
     fingerprint.update(derived)
@@ -95,6 +119,7 @@ class Checkpointer:
         except OSError as e:
             raise FastpplError(f"--resume {directory}: cannot create the directory ({e.strerror})") from None
         self.path = self.directory / CHECKPOINT_FILE
+        remove_stale_temporaries(self.path)   # a save that a kill cut short
         self.fingerprint = fingerprint
         self.plans = plans
         self.n_windows = n_windows
@@ -141,6 +166,11 @@ class Checkpointer:
             if stored is None or stored.dtype.kind != "f" or stored.size != tensor.numel():
                 raise unreadable
             restored[name] = stored
+        # a loss that is NaN or infinite never becomes finite again: refused now, not after scoring the rest
+        # (per_token is NaN where unscored)
+        if not all(np.isfinite(stored).all() for name, stored in restored.items() if name != "per_token"):
+            raise FastpplError(f"{self.path}: its sums are not finite (NaN or infinity): the run it saved had a "
+                               "non-finite loss, or the file is damaged; delete it to start over")
         for name, stored in restored.items():   # only once all are known good: no half-restored sums
             tensor = getattr(sums, name)
             tensor.copy_(torch.from_numpy(stored).reshape(tensor.shape))

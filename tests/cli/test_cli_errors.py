@@ -151,6 +151,51 @@ def test_missing_file_in_process(tmp_path, outputs, tokenizer_dir, capsys):
                        "no such file")
 
 
+def test_a_loop_of_symbolic_links_is_named_as_one(tmp_path, outputs, tokenizer_dir, capsys):
+    """pathlib reads a link that leads back to itself as missing: each was "no such file", or a traceback for an
+    output path."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    documents = tmp_path / "documents"
+    documents.mkdir()
+    (documents / "a.txt").write_text("Some text to score.")
+    (documents / "b.txt").symlink_to(documents / "b.txt")
+    json_path, npy_path = outputs
+    for args, fragment in [
+        (_args(TINY, loop, outputs, tokenizer_dir), f"{loop}: is a loop of symbolic links, not a file; check the --data"),
+        (_args(TINY, loop / "a.txt", outputs, tokenizer_dir), "a.txt: is a loop of symbolic links, not a file"),
+        (_args(loop, documents, outputs, tokenizer_dir), f"{loop}: is a loop of symbolic links, not a model directory"),
+        (_args(TINY, documents / "a.txt", outputs, loop), "is a loop of symbolic links, not a tokenizer directory"),
+        (_args(TINY, documents, outputs, tokenizer_dir), f"{documents / 'b.txt'}: a loop of symbolic links; remove it"),
+        (_args(TINY, documents / "a.txt", (loop / "r.json", npy_path), tokenizer_dir),
+         f"--json {loop / 'r.json'}: is a loop of symbolic links; pick another path"),
+        (_args(TINY, documents / "a.txt", outputs, tokenizer_dir, "--resume", loop),
+         f"--resume {loop}: is a loop of symbolic links; pick another path"),
+    ]:
+        _assert_user_error(*_main(capsys, args), outputs, fragment)
+    assert main(["compare", str(loop), str(loop)]) == 2
+    assert f"{loop}: is a loop of symbolic links, not a file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("raised, size", [
+    (lambda: torch.empty(500_000_000_000_000, dtype=torch.uint8), "465,661.29 GiB"),   # the CPU allocator's
+    (lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total capacity "
+                                    "of 79.19 GiB of which 1.06 GiB is free."), "2.50 GiB"),
+    (lambda: MemoryError("Unable to allocate 3.00 TiB for an array with shape (1, 2) and data type float64"),
+     "3,072.00 GiB"),
+], ids=["cpu", "cuda", "numpy"])
+def test_out_of_memory_gives_the_size_in_gib_and_what_to_lower(monkeypatch, text, outputs, tokenizer_dir, capsys,
+                                                              raised, size):
+    """The message was torch's first line cut at 120 characters: "... you tried to allocate 51200000"."""
+    def evaluate(config):
+        error = raised()
+        raise error
+    monkeypatch.setattr("fastppl.pipeline.evaluate", evaluate)
+    _assert_user_error(*_main(capsys, _args(TINY, text, outputs, tokenizer_dir)), outputs,
+                       f"fastppl: error: out of memory (could not allocate {size}); lower --batch-size or --ctx, or "
+                       "use a smaller model\n")
+
+
 def test_empty_directory_as_data(tmp_path, outputs, tokenizer_dir, capsys):
     # a directory is a document set (one document per file); an empty one is an error
     empty = tmp_path / "empty"

@@ -17,6 +17,15 @@ from .args import Parser
 __all__ = ["build_parser", "main", "run"]
 
 
+# what each command's out-of-memory error says to lower
+OUT_OF_MEMORY_ADVICE = {
+    "eval": "lower --batch-size or --ctx, or use a smaller model",
+    "bench": "lower --batch-size or --seq (generation: --batch-sizes, --prompt-tokens or --new-tokens)",
+    "generate": "give fewer prompts or a lower --max-new-tokens, or use a smaller model",
+    "compare": "compare fewer or smaller files",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="fastppl", description="Exact perplexity of causal language models, fast.")
     parser.add_argument("--version", action="version", version=f"fastppl {__version__}")
@@ -27,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from ..launch import stop_silently_on_interrupt   # here: `python -m fastppl.launch` imports this package
+    stop_silently_on_interrupt()   # a rank that --nproc started
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)   # for --nproc, which re-runs the command
     if getattr(args, "device", "cpu") != "cpu" and getattr(args, "nproc", None) in (None, 1):   # not torchrun's parent
@@ -45,12 +56,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("fastppl: interrupted", file=sys.stderr)
         return 130
     except (RuntimeError, MemoryError) as e:
-        from ..errors import first_line, is_out_of_memory
+        from ..errors import allocation_gib, first_line, is_out_of_memory
         if not (isinstance(e, MemoryError) or is_out_of_memory(e) or "can't allocate memory" in str(e)):
             raise   # a real failure, with its traceback
         # what --batch-size auto does not cover (a fixed batch, bench's batch sizes, generate's prompts)
-        print(f"fastppl: error: out of memory ({first_line(e, 120)}); use a smaller batch, fewer prompts or a "
-              "smaller model", file=sys.stderr)
+        gib = allocation_gib(e)
+        what = f"could not allocate {gib:,.2f} GiB" if gib is not None else first_line(e)
+        print(f"fastppl: error: out of memory ({what}); {OUT_OF_MEMORY_ADVICE[args.command]}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         # the reader of stdout left early (`fastppl eval ... | head -1`); output files are written before printing.

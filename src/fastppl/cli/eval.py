@@ -5,7 +5,7 @@ import argparse
 from pathlib import Path
 
 from ..config import MIN_BOOTSTRAP, PROTOCOL_WINDOWS
-from ..errors import FastpplError
+from ..errors import FastpplError, no_such
 from .args import (DEVICE_HELP, FLAG_OFF, MODEL_HELP, TOKENIZER_HELP, at_least, batch_size, check_model_given,
                    seed)
 
@@ -212,7 +212,7 @@ def _check_and_relaunch(args: argparse.Namespace) -> int:
     from ..data.protocols import CORPORA
     for spec in args.data:
         if spec not in BUILTINS and spec not in CORPORA and not spec.startswith("hf:") and not Path(spec).expanduser().exists():
-            raise FastpplError(f"{spec}: no such file; check the --data path")
+            raise FastpplError(f"{spec}: {no_such(spec)}; check the --data path")
     return _relaunch(args)
 
 

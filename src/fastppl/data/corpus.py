@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 
 from ..config import cache_dir
-from ..errors import FastpplError, first_line
+from ..errors import FastpplError, first_line, is_link_loop, no_such
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ def decode_utf8(raw: bytes, name: str, errors: str) -> str:
 
 def read_bytes(path: Path) -> bytes:
     if not path.exists():
-        raise FastpplError(f"{path}: no such file; check the --data path")
+        raise FastpplError(f"{path}: {no_such(path)}; check the --data path")
     if path.is_dir():
         raise FastpplError(f"{path}: is a directory; pass a .txt or .jsonl file")
     try:
@@ -222,7 +222,7 @@ def jsonl_documents(raw_text: str, path: Path, fields: Fields) -> list[Document]
 def token_id_document(path: Path) -> Document:
     """A .npy file of token ids (1-D, integers, made by the model's tokenizer) as one document."""
     if not path.exists():
-        raise FastpplError(f"{path}: no such file; check the --data path")
+        raise FastpplError(f"{path}: {no_such(path)}; check the --data path")
     try:
         ids = np.load(path, allow_pickle=False)
     except (OSError, ValueError):
@@ -253,7 +253,8 @@ def directory_documents(directory: Path, errors: str = "strict") -> list[Documen
                if not any(part.startswith(".") for part in p.relative_to(directory).parts)]
     broken = [p for p in visible if p.is_symlink() and not p.exists()]
     if broken:   # not skipped in silence: a document the user meant to score would be missing
-        raise FastpplError(f"{path_id(broken[0])}: a link to nothing; remove it or point it at a file")
+        what = "a loop of symbolic links" if is_link_loop(broken[0]) else "a link to nothing"
+        raise FastpplError(f"{path_id(broken[0])}: {what}; remove it or point it at a file")
     files = sorted((p for p in visible if p.is_file()), key=lambda p: p.relative_to(directory).as_posix())
     if not files:
         raise FastpplError(f"{directory}: holds no files; put one text file per document in it")

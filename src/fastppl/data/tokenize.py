@@ -11,7 +11,7 @@ from typing import Optional
 import numpy as np
 
 from ..config import cache_dir, is_path_like
-from ..errors import FastpplError, first_line
+from ..errors import FastpplError, first_line, is_link_loop, no_such
 
 
 @dataclass
@@ -160,8 +160,8 @@ def load_tokenizer(name_or_path: str, offline_hint: str = "") -> Tokenizer:
     if directory.is_file():
         raise FastpplError(f"{name_or_path}: is a file; --tokenizer takes a tokenizer directory (tokenizer.json, "
                            "or vocab.json + merges.txt)")
-    if is_path_like(name_or_path) and not directory.exists():
-        raise FastpplError(f"{name_or_path}: no such tokenizer directory; check --tokenizer")
+    if (is_path_like(name_or_path) or is_link_loop(directory)) and not directory.exists():
+        raise FastpplError(f"{name_or_path}: {no_such(directory, 'tokenizer directory')}; check --tokenizer")
     if not directory.exists():
         hub_directory, reason = _hub_tokenizer_dir(name_or_path)
         if hub_directory is None:   # transformers would only try the hub again, with slow retries

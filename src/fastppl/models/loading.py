@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from ..config import is_path_like
-from ..errors import FastpplError, first_line
+from ..errors import FastpplError, first_line, is_link_loop, no_such
 from .gpt2 import GPT2, PRESETS
 from .hf_backend import HFCausalLM
 from .hf_convert import (LLAMA_MODEL_TYPES, gpt2_config_from_hf, gpt2_config_to_hf, gpt2_native_gaps,
@@ -90,8 +90,8 @@ def local_checkpoint_dir(spec: str) -> Optional[Path]:
         return path
     if path.exists():
         raise FastpplError(f"{spec}: is a file; --model takes a checkpoint directory (config.json + weights)")
-    if is_path_like(spec):
-        raise FastpplError(f"{spec}: no such model directory; check --model")
+    if is_path_like(spec) or is_link_loop(spec):
+        raise FastpplError(f"{spec}: {no_such(spec, 'model directory')}; check --model")
     return None
 
 

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..errors import FastpplError
+from ..errors import FastpplError, no_such
 # fastppl.plot imports matplotlib only inside the functions that draw
 from .plot import check_plot_path, comparison_figure, corpus_label, model_label, save_figure
 from .paired import paired_table, per_token_comparable, plus_minus, same_text
@@ -57,7 +57,7 @@ def _labels(paths: Sequence[str]) -> list[str]:
 def _read_text(path: str, what: str) -> str:
     file = Path(path)
     if not file.exists():
-        raise FastpplError(f"{path}: no such file; pass the {what}")
+        raise FastpplError(f"{path}: {no_such(path)}; pass the {what}")
     if file.is_dir():
         raise FastpplError(f"{path}: is a directory; pass the {what}")
     try:

@@ -5,11 +5,12 @@ import contextlib
 import json
 import math
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..errors import FastpplError
+from ..errors import FastpplError, is_link_loop
 
 
 def written_in_place(path: str) -> bool:
@@ -40,16 +41,22 @@ def check_distinct_outputs(outputs: dict, inputs=(), output_dirs: dict = None) -
     def inside(path: Path, source: Path) -> bool:
         return path == source or (source.is_dir() and path.is_relative_to(source))
 
+    def resolved(flag: str, path: str) -> Path:
+        try:
+            return Path(path).expanduser().resolve()
+        except (RuntimeError, OSError):   # what resolve() raises on a loop of symbolic links
+            raise FastpplError(f"{flag} {path}: is a loop of symbolic links; pick another path") from None
+
     directories = {}
     for flag, directory in (output_dirs or {}).items():
         if directory is None:
             continue
-        resolved = Path(directory).expanduser().resolve()
+        resolved_dir = resolved(flag, directory)
         for source in input_paths:
-            if inside(resolved, source) or resolved in source.parents:
+            if inside(resolved_dir, source) or resolved_dir in source.parents:
                 raise FastpplError(f"{flag} {directory}: holds or lies inside input {source} of this run; pick "
                                    "a directory of its own")
-        directories[resolved] = flag
+        directories[resolved_dir] = flag
     for flag, path in outputs.items():
         if path is None:
             continue
@@ -57,23 +64,42 @@ def check_distinct_outputs(outputs: dict, inputs=(), output_dirs: dict = None) -
             raise FastpplError(f"{flag}: empty path; give a file path or leave {flag} out")
         if written_in_place(path):
             continue   # /dev/stdout, /dev/null: several outputs may share them
-        resolved = Path(path).expanduser().resolve()
+        resolved_path = resolved(flag, path)
         for source in input_paths:
-            if inside(resolved, source):
+            if inside(resolved_path, source):
                 raise FastpplError(f"{flag} {path}: would overwrite input {source} of this run; pick another "
                                    "output path")
         for directory, dir_flag in directories.items():
-            if resolved == directory or directory in resolved.parents:
+            if resolved_path == directory or directory in resolved_path.parents:
                 raise FastpplError(f"{flag} {path}: is or lies inside {dir_flag} {directory}, which this run writes; "
                                    "pick another output path")
-        if resolved in seen:
-            raise FastpplError(f"{flag} {path}: the same file as {seen[resolved]}; give each output its own path")
-        seen[resolved] = flag
+        if resolved_path in seen:
+            raise FastpplError(f"{flag} {path}: the same file as {seen[resolved_path]}; give each output its own path")
+        seen[resolved_path] = flag
+
+
+def temporary_name_pattern(target: Path) -> re.Pattern:
+    """The names write_atomic's temporary files of target have: mkstemp's prefix and 8 random characters."""
+    return re.compile(re.escape("." + target.name + ".") + r"[a-z0-9_]{8}")
+
+
+def remove_stale_temporaries(path) -> None:
+    """Remove the temporary files of path that a process killed while writing it left behind (a rename that
+    never came); a run started afterwards calls this before it writes path."""
+    target = Path(os.path.realpath(Path(path).expanduser()))
+    if not target.parent.is_dir():
+        return
+    pattern = temporary_name_pattern(target)
+    for entry in os.scandir(target.parent):
+        if pattern.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
 
 
 def check_writable(path: str, flag: str) -> None:
     """Fail before any work if an output file cannot be written. Creating a file is the only reliable
-    test: os.access says yes to root on read-only and pseudo filesystems."""
+    test: os.access says yes to root on read-only and pseudo filesystems. Temporary files of path that a killed
+    run left are removed."""
     if path == "-":   # would quietly make a file named "-"
         raise FastpplError(f"{flag} -: outputs go to files (stdout carries the summary); give a file path, "
                            "e.g. /dev/stdout")
@@ -89,6 +115,8 @@ def check_writable(path: str, flag: str) -> None:
     parent = Path(os.path.realpath(target)).parent   # where write_atomic puts its temporary file
     if parent.exists() and not parent.is_dir():
         raise FastpplError(f"{flag} {path}: {parent} is a file, not a directory; pick another path")
+    if is_link_loop(parent):
+        raise FastpplError(f"{flag} {path}: {parent} is a loop of symbolic links; pick another path")
     if not parent.is_dir():
         raise FastpplError(f"{flag} {path}: directory {parent} does not exist; create it or pick another path")
     try:
@@ -97,6 +125,7 @@ def check_writable(path: str, flag: str) -> None:
         raise FastpplError(f"{flag} {path}: cannot create files in {parent} ({e.strerror}); pick another path") from None
     os.close(fd)
     os.unlink(probe)
+    remove_stale_temporaries(path)
 
 
 def _new_file_mode() -> int:
