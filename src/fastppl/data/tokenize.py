@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -12,6 +10,8 @@ import numpy as np
 
 from ..config import cache_dir, is_path_like
 from ..errors import FastpplError, first_line
+from .pieces import encode_in_pieces
+from .token_cache import entry_path, read_entry, text_sha256, warn, write_entry
 
 
 @dataclass
@@ -23,9 +23,21 @@ class Tokenizer:
     bos_id: Optional[int]    # BOS, else end-of-text: what lm-evaluation-harness conditions on
     eos_id: Optional[int]
     vocab_size: int          # ids are < vocab_size
+    # why a long text was tokenised in one piece, not in parallel (fastppl.data.pieces); None while none was
+    whole_text_reason: Optional[str] = None
 
     def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self.backend.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+        """The ids of one `encode` of the whole text (no special tokens added), computed in parallel pieces."""
+        try:
+            encoded = encode_in_pieces(self.backend, text)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:   # the Rust side's errors; a panic there is a BaseException (pyo3's)
+            raise FastpplError(f"the tokenizer cannot encode a text of {len(text):,} characters ({first_line(e)}); "
+                               "split it into smaller documents (.jsonl, or a directory of files)") from None
+        if encoded.whole_reason:
+            self.whole_text_reason = encoded.whole_reason
+        return encoded.ids
 
     def decode(self, ids) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -193,25 +205,28 @@ def load_tokenizer(name_or_path: str, offline_hint: str = "") -> Tokenizer:
 
 
 def encode_cached(tokenizer: Tokenizer, text: str, use_cache: bool = True) -> np.ndarray:
-    """Token ids of text, from the cache when the same tokenizer has seen the same text before."""
-    text_hash = hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()[:24]
-    path = cache_dir() / "tokens" / f"{tokenizer.fingerprint}-{text_hash}.npy"
-    if use_cache and path.exists():
-        try:
-            return np.load(path).astype(np.int64)
-        except (OSError, ValueError, EOFError):   # EOFError: a 0-byte file
-            pass  # a damaged cache entry is simply recomputed
-    ids = tokenizer.encode(text)
-    if use_cache and len(text) >= 4096:  # small texts tokenise faster than a file round trip
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npy")
-            with os.fdopen(fd, "wb") as f:
-                np.save(f, ids.astype(np.int32 if tokenizer.vocab_size < 2**31 else np.int64))
-            os.replace(tmp, path)
-        except OSError:
-            pass  # a read-only cache only costs speed
+    """Token ids of text, from the cache when the same tokenizer has seen the same text before (a verified entry:
+    fastppl.data.token_cache; one that does not verify is tokenised again and rewritten)."""
+    if not use_cache or len(text) < 4096:   # small texts tokenise faster than a file round trip
+        return tokenizer.encode(text)
+    text_digest = text_sha256(text)
+    path = entry_path(cache_dir(), tokenizer.fingerprint, text_digest)
+    ids = read_entry(path, tokenizer.fingerprint, text_digest)
+    if ids is not None and ids.size and not 0 <= ids.min() <= ids.max() < tokenizer.vocab_size:
+        warn(f"token cache entry {path} holds ids outside the tokenizer's {tokenizer.vocab_size:,}; tokenising again")
+        ids = None
+    if ids is None:
+        ids = tokenizer.encode(text)
+        write_entry(path, tokenizer.fingerprint, text_digest, ids, tokenizer.vocab_size)
     return ids
+
+
+def check_ids_in_vocabulary(ids: np.ndarray, vocab_size: int, tokenizer_name: str) -> None:
+    """Token ids index the model's embedding: one outside it is a user error, not an IndexError."""
+    if ids.size and not 0 <= ids.min() <= ids.max() < vocab_size:
+        bad = int(ids.max()) if ids.max() >= vocab_size else int(ids.min())
+        raise FastpplError(f"tokenizer {tokenizer_name!r} gave token id {bad:,}, outside the model's vocabulary of "
+                           f"{vocab_size:,}; pass the model's own tokenizer with --tokenizer")
 
 
 def default_tokenizer_name(model_spec: str) -> str:

@@ -1,0 +1,106 @@
+"""Exact tokenisation of a long text in parallel: the text is cut where the tokenizer itself splits it, so that the
+pieces' ids, concatenated, are those of one `encode` of the whole text; the pieces go through `encode_batch` on all
+cores, a bounded group at a time (memory: the text, the ids, and one group's encodings).
+
+A cut at position q is taken only when it changes no id near it: with `L` characters of left context and `R` of
+right context,
+
+    encode(text[q-L:q+R]) == encode(text[q-L:q]) + encode(text[q:q+R])      for L = 256 and L = 257
+
+The whole tokenizer runs in that check (normalizer, added tokens, pre-tokenizer, model), so a special token
+straddling q, a normalizer that acts on a text's first character (Prepend, Strip) or a pre-tokenizer that glues the
+characters around q fails it. Two left contexts of different lengths catch pre-tokenizers that group from the left
+(Llama-3's digits in threes). Candidate cuts are the tokenizer's own pre-token starts near each target. A text with
+no cut that passes, or a tokenizer without a pre-tokenizer, is encoded whole (`Encoded.whole_reason` says why).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+PIECE_CHARS = 1 << 16             # a piece's target length; short enough that a group feeds every core
+GROUP_PIECES = 64                 # pieces encoded per encode_batch call: bounds the encodings held at once
+SEARCH_CHARS = 1024               # candidates are looked for this far either side of a target
+CANDIDATES = 4                    # nearest candidates tried per target before the target is dropped
+LEFT_CONTEXTS = (256, 257)
+RIGHT_CONTEXT = 256
+
+
+@dataclass
+class Encoded:
+    ids: np.ndarray                 # (n,) int64
+    pieces: int                     # 1 when the text was encoded whole
+    whole_reason: Optional[str]     # why a long text was encoded whole (None: cut, or short)
+
+
+def _ids(encoding) -> np.ndarray:
+    return np.asarray(encoding.ids, dtype=np.int64)
+
+
+def _candidates(backend, text: str, target: int) -> list[int]:
+    """Pre-token starts near target, nearest first (absolute positions)."""
+    left = target - SEARCH_CHARS
+    starts = [left + start for _, (start, _) in backend.pre_tokenizer.pre_tokenize_str(
+        text[left:target + SEARCH_CHARS])]
+    return sorted((q for q in starts if q > left), key=lambda q: abs(q - target))[:CANDIDATES]
+
+
+def _check_texts(text: str, q: int) -> list[str]:
+    """[right, then for each left context: window, left] around a candidate cut q."""
+    right = text[q:q + RIGHT_CONTEXT]
+    texts = [right]
+    for left_chars in LEFT_CONTEXTS:
+        left = text[q - left_chars:q]
+        texts += [left + right, left]
+    return texts
+
+
+def _cut_is_exact(checks: list) -> bool:
+    """checks: the encodings of _check_texts."""
+    right = checks[0].ids
+    return all(checks[k].ids == checks[k + 1].ids + right for k in range(1, len(checks), 2))
+
+
+def find_cuts(backend, text: str) -> list[int]:
+    """Positions 0 < q < len(text) where the text may be cut without changing its ids, in increasing order."""
+    low, high = max(LEFT_CONTEXTS) + SEARCH_CHARS, len(text) - RIGHT_CONTEXT - SEARCH_CHARS
+    targets = range(max(PIECE_CHARS, low), high, PIECE_CHARS)
+    cuts = []
+    for first in range(0, len(targets), 4 * GROUP_PIECES):    # bounded: a few hundred targets at a time
+        pending = {t: _candidates(backend, text, t) for t in targets[first:first + 4 * GROUP_PIECES]}
+        for round_ in range(CANDIDATES):
+            tried = [(t, c[round_]) for t, c in pending.items() if len(c) > round_]
+            if not tried:
+                break
+            checks = backend.encode_batch_fast([s for _, q in tried for s in _check_texts(text, q)],
+                                               add_special_tokens=False)
+            per_cut = 1 + 2 * len(LEFT_CONTEXTS)
+            for k, (target, q) in enumerate(tried):
+                if _cut_is_exact(checks[per_cut * k:per_cut * (k + 1)]):
+                    cuts.append(q)
+                    del pending[target]
+    return sorted(set(cuts))
+
+
+def encode_in_pieces(backend, text: str) -> Encoded:
+    """The ids of one encode(text, add_special_tokens=False), computed in parallel pieces where the text allows."""
+    if len(text) < 2 * PIECE_CHARS:
+        return Encoded(_ids(backend.encode(text, add_special_tokens=False)), 1, None)
+    if backend.pre_tokenizer is None:
+        return Encoded(_whole(backend, text), 1, "the tokenizer has no pre-tokenizer to cut the text at")
+    cuts = find_cuts(backend, text)
+    if not cuts:
+        return Encoded(_whole(backend, text), 1, "no cut point keeps the tokenizer's ids unchanged")
+    bounds = [0, *cuts, len(text)]
+    parts = []
+    for first in range(0, len(bounds) - 1, GROUP_PIECES):
+        group = bounds[first:first + GROUP_PIECES + 1]
+        encodings = backend.encode_batch_fast([text[a:b] for a, b in zip(group, group[1:])], add_special_tokens=False)
+        parts += [_ids(e) for e in encodings]
+    return Encoded(np.concatenate(parts), len(bounds) - 1, None)
+
+
+def _whole(backend, text: str) -> np.ndarray:
+    return _ids(backend.encode(text, add_special_tokens=False))
