@@ -95,6 +95,12 @@ def _special_ids(directory: Path, config: dict, backend) -> dict:
     return ids
 
 
+# classes whose tokenizer is tokenizer.json as saved (transformers 5 saves a plain one as TokenizersBackend); other
+# classes (LlamaTokenizer, ...) may rebuild it from the vocabulary with a pipeline of their own, so transformers
+# loads them. add_bos_token / add_eos_token only add specials, which scoring never asks the tokenizer for.
+TOKENIZER_JSON_CLASSES = (None, "GPT2Tokenizer", "GPT2TokenizerFast", "PreTrainedTokenizerFast", "TokenizersBackend")
+
+
 def _load_tokenizer_json(directory: Path, name: str) -> Optional[Tokenizer]:
     """A local tokenizer.json read by `tokenizers` alone: about 0.1 s, where transformers' AutoTokenizer
     took 6.8 s on the H200 machine (its import, then rebuilding the tokenizer).
@@ -110,9 +116,7 @@ def _load_tokenizer_json(directory: Path, name: str) -> Optional[Tokenizer]:
         fingerprint = _file_fingerprint(directory / "tokenizer.json")
     except Exception:   # unreadable or unusual: let transformers try, and report its error
         return None
-    if config.get("tokenizer_class") not in (None, "GPT2Tokenizer", "GPT2TokenizerFast", "PreTrainedTokenizerFast"):
-        return None
-    if config.get("add_prefix_space") or config.get("add_bos_token") or config.get("add_eos_token"):
+    if config.get("tokenizer_class") not in TOKENIZER_JSON_CLASSES or config.get("add_prefix_space"):
         return None
     ids = _special_ids(directory, config, backend)
     bos_id = ids["bos_token"] if ids["bos_token"] is not None else ids["eos_token"]
