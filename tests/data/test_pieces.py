@@ -124,6 +124,20 @@ def test_a_tokenizer_without_a_pre_tokenizer_is_encoded_whole(shakespeare):
     assert encoded.ids.tolist() == tokenizer.encode(text).ids
 
 
+def test_the_report_says_when_texts_were_encoded_whole(shakespeare, tmp_path):
+    import json
+    from fastppl.cli import main
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    _train(tokenizer, shakespeare, unk="<unk>").save(str(tmp_path / "tokenizer.json"))
+    data = tmp_path / "text.txt"
+    data.write_text(shakespeare.read_text()[:20_000])
+    assert main(["eval", "--model", "random:gpt2-tiny", "--tokenizer", str(tmp_path), "--data", str(data), "--ctx",
+                 "128", "--device", "cpu", "--quiet", "--json", str(tmp_path / "r.json")]) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["tokenization"] == "whole texts: the tokenizer has no pre-tokenizer to cut the text at"
+
+
 def test_no_safe_cut_falls_back_to_one_encode(shakespeare, gpt2):
     """Metaspace without splitting makes one pre-token of the whole text: every candidate fails its check."""
     unsplit = _metaspace(shakespeare, "first", split=False)

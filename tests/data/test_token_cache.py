@@ -115,7 +115,7 @@ def test_cached_run_gives_the_same_result_as_before_and_after_damage(cache, tmp_
             "--ctx", "128", "--device", "cpu", "--quiet", "--json", str(tmp_path / "r.json")]
     assert main(args) == 0
     first = json.loads((tmp_path / "r.json").read_text())
-    assert first["tokenization"] == "exact parallel pieces"
+    assert first["tokenization"] == "exact, long texts in parallel pieces"
     path, header, stored = _entry(cache)
     _rewrite(path, header, stored[:100])
     capsys.readouterr()
