@@ -104,6 +104,7 @@ def test_big_entries_are_memory_mapped(cache, gpt2, monkeypatch):
     real_memmap = np.memmap
     monkeypatch.setattr(np, "memmap", lambda *a, **k: mapped.append(1) or real_memmap(*a, **k))
     monkeypatch.setattr(tokenize.Tokenizer, "encode", lambda self, t: pytest.fail("tokenised again"))
+    monkeypatch.setattr(tokenize.Tokenizer, "encode_many", lambda self, t: pytest.fail("tokenised again"))
     assert np.array_equal(encode_cached(gpt2, text), ids) and mapped
 
 
@@ -179,3 +180,24 @@ def test_a_failure_inside_the_tokenizer_is_one_line(gpt2, monkeypatch):
     monkeypatch.setattr(tokenize, "encode_in_pieces", panic)
     with pytest.raises(FastpplError, match="cannot encode a text of 3 characters .capacity overflow.; split it"):
         gpt2.encode("abc")
+
+
+def test_many_documents_are_encoded_together_as_one_by_one(cache, gpt2, shakespeare, monkeypatch):
+    """Short texts go through encode_batch in groups, long ones in pieces, cached ones from the cache: each text's
+    ids are those of its own encode."""
+    from fastppl.data import pieces
+    from fastppl.data.tokenize import encode_documents
+    monkeypatch.setattr(pieces, "PIECE_CHARS", 4096)
+    monkeypatch.setattr(pieces, "GROUP_PIECES", 2)   # groups of about 8,192 characters: several
+    full = shakespeare.read_text()
+    texts = ["", "x", " ", full[:100], full[:5000], TEXT, full[1000:40_000], "😀 東京\r\n" * 50, full[:9000]]
+    expected = [gpt2.backend.encode(t, add_special_tokens=False).ids for t in texts]
+    encode_cached(gpt2, TEXT)   # one of them cached already
+    calls = []
+    real = pieces.encode_short_texts
+    monkeypatch.setattr(tokenize, "encode_short_texts", lambda b, t: calls.append(len(t)) or real(b, t))
+    for _ in range(2):   # the second time, the cached ones come from the cache
+        encoded = encode_documents(gpt2, texts)
+        assert [e.tolist() for e in encoded] == expected and all(e.dtype == np.int64 for e in encoded)
+    # one call for the short texts the cache lacked: 6 (all but TEXT), then 5 (full[:5000] was cached meanwhile)
+    assert calls == [6, 5]

@@ -66,6 +66,7 @@ def _forbid_encoding(monkeypatch):
     def refuse(self, text):
         raise AssertionError("tokenised again although the cache holds these ids")
     monkeypatch.setattr(tokenize.Tokenizer, "encode", refuse)
+    monkeypatch.setattr(tokenize.Tokenizer, "encode_many", refuse)
 
 
 def test_cache_is_used_on_the_second_call(cache, gpt2, monkeypatch):

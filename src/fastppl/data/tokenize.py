@@ -10,7 +10,8 @@ import numpy as np
 
 from ..config import cache_dir, is_path_like
 from ..errors import FastpplError, first_line
-from .pieces import encode_in_pieces
+from . import pieces
+from .pieces import encode_in_pieces, encode_short_texts
 from .token_cache import entry_path, read_entry, text_sha256, warn, write_entry
 
 
@@ -28,16 +29,26 @@ class Tokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         """The ids of one `encode` of the whole text (no special tokens added), computed in parallel pieces."""
-        try:
-            encoded = encode_in_pieces(self.backend, text)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as e:   # the Rust side's errors; a panic there is a BaseException (pyo3's)
-            raise FastpplError(f"the tokenizer cannot encode a text of {len(text):,} characters ({first_line(e)}); "
-                               "split it into smaller documents (.jsonl, or a directory of files)") from None
+        encoded = self._call_backend(encode_in_pieces, text, len(text))
         if encoded.whole_reason:
             self.whole_text_reason = encoded.whole_reason
         return encoded.ids
+
+    def encode_many(self, texts: list[str]) -> list[np.ndarray]:
+        """encode() of each text; the short ones (a piece each) together, on all cores."""
+        short = [i for i, text in enumerate(texts) if len(text) < 2 * pieces.PIECE_CHARS]
+        ids = dict(zip(short, self._call_backend(encode_short_texts, [texts[i] for i in short],
+                                                 max((len(texts[i]) for i in short), default=0))))
+        return [ids[i] if i in ids else self.encode(text) for i, text in enumerate(texts)]
+
+    def _call_backend(self, function, texts, n_chars: int):
+        try:
+            return function(self.backend, texts)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:   # the Rust side's errors; a panic there is a BaseException (pyo3's)
+            raise FastpplError(f"the tokenizer cannot encode a text of {n_chars:,} characters ({first_line(e)}); "
+                               "split it into smaller documents (.jsonl, or a directory of files)") from None
 
     def decode(self, ids) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -208,21 +219,37 @@ def load_tokenizer(name_or_path: str, offline_hint: str = "") -> Tokenizer:
                      eos_id=hf.eos_token_id, vocab_size=len(hf))
 
 
-def encode_cached(tokenizer: Tokenizer, text: str, use_cache: bool = True) -> np.ndarray:
-    """Token ids of text, from the cache when the same tokenizer has seen the same text before (a verified entry:
-    fastppl.data.token_cache; one that does not verify is tokenised again and rewritten)."""
-    if not use_cache or len(text) < 4096:   # small texts tokenise faster than a file round trip
-        return tokenizer.encode(text)
-    text_digest = text_sha256(text)
-    path = entry_path(cache_dir(), tokenizer.fingerprint, text_digest)
+CACHED_CHARS = 4096   # shorter texts tokenise faster than a file round trip
+
+
+def _cached_ids(tokenizer: Tokenizer, path: Path, text_digest: str) -> Optional[np.ndarray]:
     ids = read_entry(path, tokenizer.fingerprint, text_digest)
     if ids is not None and ids.size and not 0 <= ids.min() <= ids.max() < tokenizer.vocab_size:
         warn(f"token cache entry {path} holds ids outside the tokenizer's {tokenizer.vocab_size:,}; tokenising again")
-        ids = None
-    if ids is None:
-        ids = tokenizer.encode(text)
-        write_entry(path, tokenizer.fingerprint, text_digest, ids, tokenizer.vocab_size)
+        return None
     return ids
+
+
+def encode_documents(tokenizer: Tokenizer, texts: list[str], use_cache: bool = True) -> list[np.ndarray]:
+    """Token ids of each text, from the cache when the same tokenizer has seen the same text before (a verified
+    entry: fastppl.data.token_cache; one that does not verify is tokenised again and rewritten). The texts the
+    cache does not hold are tokenised together (Tokenizer.encode_many)."""
+    cached = [use_cache and len(text) >= CACHED_CHARS for text in texts]
+    entries = [(entry_path(cache_dir(), tokenizer.fingerprint, digest), digest) if keep else None
+               for keep, digest in zip(cached, (text_sha256(t) if keep else "" for t, keep in zip(texts, cached)))]
+    ids = [_cached_ids(tokenizer, *entry) if entry else None for entry in entries]
+    missing = [i for i, found in enumerate(ids) if found is None]
+    for i, encoded in zip(missing, tokenizer.encode_many([texts[i] for i in missing]) if missing else []):
+        ids[i] = encoded
+        if entries[i]:
+            path, digest = entries[i]
+            write_entry(path, tokenizer.fingerprint, digest, encoded, tokenizer.vocab_size)
+    return ids
+
+
+def encode_cached(tokenizer: Tokenizer, text: str, use_cache: bool = True) -> np.ndarray:
+    """Token ids of one text (encode_documents)."""
+    return encode_documents(tokenizer, [text], use_cache)[0]
 
 
 def check_ids_in_vocabulary(ids: np.ndarray, vocab_size: int, tokenizer_name: str) -> None:
