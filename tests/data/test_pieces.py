@@ -1,6 +1,8 @@
 """Parallel tokenisation in pieces (fastppl.data.pieces) gives exactly the ids of one encode of the whole text,
 for GPT-2's byte-level BPE, a Llama-3-style regex tokenizer and SentencePiece-style (Metaspace) tokenizers, on
 adversarial text; where no cut is safe, the text is encoded whole and the reason is kept."""
+import os
+
 import numpy as np
 import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -165,3 +167,33 @@ def test_tinyshakespeare_in_pieces_matches_the_known_count(gpt2, shakespeare, mo
     monkeypatch.setattr(pieces, "PIECE_CHARS", 1 << 16)   # the product's own piece size
     encoded = encode_in_pieces(gpt2, shakespeare.read_text())
     assert encoded.pieces > 10 and len(encoded.ids) == 338_025
+
+
+def test_a_run_scores_the_same_whether_its_text_is_cut_or_not(shakespeare, tokenizer_dir, tmp_path, monkeypatch):
+    """The whole result, not just the ids: one text tokenised in pieces and in one encode gives the same report."""
+    import json
+    from fastppl.cli import main
+    data = tmp_path / "text.txt"
+    data.write_text(adversarial_text(shakespeare)[:40_000])
+    reports = []
+    for piece_chars in (4096, 10**9):   # many pieces; one
+        monkeypatch.setattr(pieces, "PIECE_CHARS", piece_chars)
+        monkeypatch.setenv("FASTPPL_CACHE_DIR", str(tmp_path / f"cache-{piece_chars}"))   # no shared cache entry
+        assert main(["eval", "--model", "random:gpt2-tiny", "--tokenizer", str(tokenizer_dir), "--data", str(data),
+                     "--ctx", "128", "--device", "cpu", "--quiet", "--json", str(tmp_path / "r.json")]) == 0
+        reports.append(json.loads((tmp_path / "r.json").read_text()))
+    fields = ("nll_sum", "tokens_scored", "tokens_total", "bytes", "corpus_sha256")
+    assert [reports[0][f] for f in fields] == [reports[1][f] for f in fields]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif((os.cpu_count() or 1) < 16, reason="the rate is set for the 16-core GPU machine")
+def test_rate_on_many_cores(gpt2, shakespeare):
+    """TinyShakespeare 30 times (33 MB, 10.1 M tokens): at least 5 M tokens/s, and the ids of one encode."""
+    import time
+    text = shakespeare.read_text() * 30
+    started = time.perf_counter()
+    encoded = encode_in_pieces(gpt2, text)
+    seconds = time.perf_counter() - started
+    assert encoded.ids.tolist() == gpt2.encode(text, add_special_tokens=False).ids
+    assert len(encoded.ids) / seconds >= 5e6, f"{len(encoded.ids) / seconds / 1e6:.2f} M tokens/s"
