@@ -111,3 +111,18 @@ def test_a_class_with_its_own_pipeline_goes_through_transformers(tmp_path, token
         patch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: used.append(1) or real(*a, **k))
         load_tokenizer(str(tmp_path))
     assert used
+
+
+def test_truncation_and_padding_in_tokenizer_json_are_ignored(tmp_path, tokenizer_dir, shakespeare):
+    """Scoring reads every token: a tokenizer.json saved with truncation and padding (for a classifier) neither
+    truncates a text nor pads the pieces encoded together."""
+    backend = _gpt2(tokenizer_dir)
+    backend.enable_truncation(max_length=16)
+    backend.enable_padding(pad_id=50256, pad_token="<|endoftext|>")
+    backend.save(str(tmp_path / "tokenizer.json"))
+    text = shakespeare.read_text()[:300_000]
+    tokenizer = load_tokenizer(str(tmp_path))
+    assert tokenizer.encode(text).tolist() == _gpt2(tokenizer_dir).encode(text).ids
+    short = ["First Citizen:", "Before we proceed any further, hear me speak."]
+    assert [ids.tolist() for ids in tokenizer.encode_many(short)] == [_gpt2(tokenizer_dir).encode(t).ids
+                                                                       for t in short]

@@ -27,6 +27,12 @@ class Tokenizer:
     # why a long text was tokenised in one piece, not in parallel (fastppl.data.pieces); None while none was
     whole_text_reason: Optional[str] = None
 
+    def __post_init__(self):
+        # every token of a text is scored: a tokenizer.json that truncates or pads (set for a classifier's inputs)
+        # would drop ids, or add pads to the pieces encoded together
+        self.backend.no_truncation()
+        self.backend.no_padding()
+
     def encode(self, text: str) -> np.ndarray:
         """The ids of one `encode` of the whole text (no special tokens added), computed in parallel pieces."""
         encoded = self._call_backend(encode_in_pieces, text, len(text))
