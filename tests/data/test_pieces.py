@@ -87,7 +87,8 @@ def test_pieces_give_the_ids_of_one_encode(name, request, shakespeare):
     text = adversarial_text(shakespeare)
     encoded = encode_in_pieces(tokenizer, text)
     whole = tokenizer.encode(text, add_special_tokens=False).ids
-    assert len(text) > 150_000 and encoded.pieces > 30 and encoded.whole_reason is None   # cut for real: the comparison means something
+    # cut for real: the comparison means something
+    assert len(text) > 150_000 and encoded.pieces > 30 and encoded.whole_reason is None
     assert encoded.ids.dtype == np.int64 and encoded.ids.tolist() == whole
 
 
