@@ -240,9 +240,11 @@ def encode_documents(tokenizer: Tokenizer, texts: list[str], use_cache: bool = T
     """Token ids of each text, from the cache when the same tokenizer has seen the same text before (a verified
     entry: fastppl.data.token_cache; one that does not verify is tokenised again and rewritten). The texts the
     cache does not hold are tokenised together (Tokenizer.encode_many)."""
-    cached = [use_cache and len(text) >= CACHED_CHARS for text in texts]
-    entries = [(entry_path(cache_dir(), tokenizer.fingerprint, digest), digest) if keep else None
-               for keep, digest in zip(cached, (text_sha256(t) if keep else "" for t, keep in zip(texts, cached)))]
+    entries: list[Optional[tuple[Path, str]]] = [None] * len(texts)   # (path, text digest) of the cached texts
+    for i, text in enumerate(texts):
+        if use_cache and len(text) >= CACHED_CHARS:
+            digest = text_sha256(text)
+            entries[i] = (entry_path(cache_dir(), tokenizer.fingerprint, digest), digest)
     ids = [_cached_ids(tokenizer, *entry) if entry else None for entry in entries]
     missing = [i for i, found in enumerate(ids) if found is None]
     for i, encoded in zip(missing, tokenizer.encode_many([texts[i] for i in missing]) if missing else []):
