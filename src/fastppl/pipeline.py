@@ -25,7 +25,8 @@ from .data.corpus import Document, Fields, corpus_sha256, load_documents
 from .data.packing import BatchPlan, plan_batches, split_rows
 from .data.protocols import CORPORA, PROTOCOLS, Protocol, read_protocol_corpus
 from .data.streams import WindowPlan, plan_corpus, sliding_stride, with_decoded_text
-from .data.tokenize import Tokenizer, default_tokenizer_name, encode_cached, load_tokenizer
+from .data.tokenize import (Tokenizer, check_ids_in_vocabulary, default_tokenizer_name, encode_documents,
+                            load_tokenizer)
 from .distributed import Distributed, init_distributed, shard_plans, stop_all_on_failure
 from .engine.cached_sliding import choose_kv_cache, score_cached_sliding
 from .engine.precision import resolve_device, resolve_dtype
@@ -172,7 +173,11 @@ def tokenize(documents: list[Document], tokenizer: Tokenizer,
     """Each document's token ids (from the token cache where it holds them); pre-tokenised documents keep their
     ids and get the text those stand for."""
     documents = [d if d.token_ids is None else with_decoded_text(d, tokenizer, model.vocab_size) for d in documents]
-    return documents, [encode_cached(tokenizer, d.text) if d.token_ids is None else d.token_ids for d in documents]
+    encoded = iter(encode_documents(tokenizer, [d.text for d in documents if d.token_ids is None]))
+    tokens = [next(encoded) if d.token_ids is None else d.token_ids for d in documents]
+    for ids in tokens:   # whatever their source: an id past the embedding is a one-line error, not an IndexError
+        check_ids_in_vocabulary(ids, model.vocab_size, tokenizer.name)
+    return documents, tokens
 
 
 def accelerate(run: Run, model: nn.Module, plan: WindowPlan) -> tuple[nn.Module, Acceleration, ScoreFn]:

@@ -66,11 +66,12 @@ def _forbid_encoding(monkeypatch):
     def refuse(self, text):
         raise AssertionError("tokenised again although the cache holds these ids")
     monkeypatch.setattr(tokenize.Tokenizer, "encode", refuse)
+    monkeypatch.setattr(tokenize.Tokenizer, "encode_many", refuse)
 
 
 def test_cache_is_used_on_the_second_call(cache, gpt2, monkeypatch):
     first = encode_cached(gpt2, LONG_TEXT)
-    files = list((cache / "tokens").glob("*.npy"))
+    files = list((cache / "tokens").glob("*.tokens"))
     assert len(files) == 1 and gpt2.fingerprint in files[0].name
     _forbid_encoding(monkeypatch)
     second = encode_cached(gpt2, LONG_TEXT)
@@ -97,7 +98,7 @@ def test_cache_is_keyed_by_tokenizer(cache, gpt2, tokenizer_dir, tmp_path):
     other_ids = encode_cached(other, LONG_TEXT)
     assert not np.array_equal(ids, other_ids)          # a cache keyed on the text alone would return ids
     assert np.array_equal(other_ids, other.encode(LONG_TEXT))
-    assert len(list((cache / "tokens").glob("*.npy"))) == 2
+    assert len(list((cache / "tokens").glob("*.tokens"))) == 2
 
 
 def test_cache_is_keyed_by_the_tokenizer_file(cache, gpt2, tokenizer_dir, tmp_path):
@@ -119,7 +120,7 @@ def test_cache_is_keyed_by_the_tokenizer_file(cache, gpt2, tokenizer_dir, tmp_pa
 @pytest.mark.parametrize("damage", [b"not an npy file", b""])   # b"": np.load raised EOFError, a traceback
 def test_damaged_cache_entry_is_recomputed(cache, gpt2, damage):
     ids = encode_cached(gpt2, LONG_TEXT)
-    [entry] = (cache / "tokens").glob("*.npy")
+    [entry] = (cache / "tokens").glob("*.tokens")
     entry.write_bytes(damage)
     assert np.array_equal(encode_cached(gpt2, LONG_TEXT), ids)
 

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 import urllib.request
 from dataclasses import dataclass, field
@@ -137,15 +138,66 @@ def decode_utf8(raw: bytes, name: str, errors: str) -> str:
         ) from None
 
 
+# a document's bytes, its text (up to 4 bytes a character) and its ids (int64, plus a copy while they are joined)
+# are held at once: a file is refused when this many times its size exceeds the memory available
+MEMORY_PER_FILE_BYTE = 8
+
+
+def available_memory_bytes() -> Optional[int]:
+    """The memory a new allocation can have without swapping (Linux's MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _too_large(path: Path, n_bytes: int, limit: int) -> FastpplError:
+    return FastpplError(f"{path}: {n_bytes:,} bytes or more is too large to tokenise in this machine's memory "
+                        f"(up to {limit:,} bytes here); split it into smaller files or a .jsonl of documents")
+
+
+def _read_up_to(f, n_bytes: int) -> bytes:
+    """At most n_bytes of a stream without a size (a pipe), a block at a time."""
+    blocks, total = [], 0
+    while total < n_bytes:
+        block = f.read(min(1 << 20, n_bytes - total))
+        if not block:
+            break
+        blocks.append(block)
+        total += len(block)
+    return b"".join(blocks)
+
+
 def read_bytes(path: Path) -> bytes:
+    """A file's bytes, refused (one line) when it cannot be held and tokenised in memory, or is a device."""
     if not path.exists():
         raise FastpplError(f"{path}: {no_such(path)}; check the --data path")
     if path.is_dir():
         raise FastpplError(f"{path}: is a directory; pass a .txt or .jsonl file")
+    available = available_memory_bytes()
+    limit = available // MEMORY_PER_FILE_BYTE if available else None
     try:
-        return path.read_bytes()
+        with open(path, "rb") as f:
+            mode = os.fstat(f.fileno())
+            if stat.S_ISCHR(mode.st_mode) or stat.S_ISBLK(mode.st_mode):   # /dev/zero, /dev/urandom: no end
+                raise FastpplError(f"{path}: is a device, not a file; pass a .txt or .jsonl file")
+            if limit is not None and stat.S_ISREG(mode.st_mode) and mode.st_size > limit:
+                raise _too_large(path, mode.st_size, limit)
+            raw = f.read() if limit is None or stat.S_ISREG(mode.st_mode) else _read_up_to(f, limit + 1)
+    except MemoryError:
+        raise _too_large(path, path.stat().st_size, limit or 0) from None
     except OSError as e:
-        raise FastpplError(f"{path}: cannot be read ({e.strerror})") from None
+        raise FastpplError(f"{path}: cannot be read ({e.strerror or first_line(e)})") from None
+    if limit is not None and len(raw) > limit:
+        raise _too_large(path, len(raw), limit)
+    return raw
 
 
 def _sha256(path: Path) -> str:

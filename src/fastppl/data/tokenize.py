@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -12,6 +10,9 @@ import numpy as np
 
 from ..config import cache_dir, is_path_like
 from ..errors import FastpplError, first_line, is_link_loop, no_such
+from . import pieces
+from .pieces import encode_in_pieces, encode_short_texts
+from .token_cache import entry_path, read_entry, text_sha256, warn, write_entry
 
 
 @dataclass
@@ -23,9 +24,37 @@ class Tokenizer:
     bos_id: Optional[int]    # BOS, else end-of-text: what lm-evaluation-harness conditions on
     eos_id: Optional[int]
     vocab_size: int          # ids are < vocab_size
+    # why a long text was tokenised in one piece, not in parallel (fastppl.data.pieces); None while none was
+    whole_text_reason: Optional[str] = None
+
+    def __post_init__(self):
+        # every token of a text is scored: a tokenizer.json that truncates or pads (set for a classifier's inputs)
+        # would drop ids, or add pads to the pieces encoded together
+        self.backend.no_truncation()
+        self.backend.no_padding()
 
     def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self.backend.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+        """The ids of one `encode` of the whole text (no special tokens added), computed in parallel pieces."""
+        encoded = self._call_backend(encode_in_pieces, text, len(text))
+        if encoded.whole_reason:
+            self.whole_text_reason = encoded.whole_reason
+        return encoded.ids
+
+    def encode_many(self, texts: list[str]) -> list[np.ndarray]:
+        """encode() of each text; the short ones (a piece each) together, on all cores."""
+        short = [i for i, text in enumerate(texts) if len(text) < 2 * pieces.PIECE_CHARS]
+        ids = dict(zip(short, self._call_backend(encode_short_texts, [texts[i] for i in short],
+                                                 max((len(texts[i]) for i in short), default=0))))
+        return [ids[i] if i in ids else self.encode(text) for i, text in enumerate(texts)]
+
+    def _call_backend(self, function, texts, n_chars: int):
+        try:
+            return function(self.backend, texts)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:   # the Rust side's errors; a panic there is a BaseException (pyo3's)
+            raise FastpplError(f"the tokenizer cannot encode a text of {n_chars:,} characters ({first_line(e)}); "
+                               "split it into smaller documents (.jsonl, or a directory of files)") from None
 
     def decode(self, ids) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -95,6 +124,12 @@ def _special_ids(directory: Path, config: dict, backend) -> dict:
     return ids
 
 
+# classes whose tokenizer is tokenizer.json as saved (transformers 5 saves a plain one as TokenizersBackend); other
+# classes (LlamaTokenizer, ...) may rebuild it from the vocabulary with a pipeline of their own, so transformers
+# loads them. add_bos_token / add_eos_token only add specials, which scoring never asks the tokenizer for.
+TOKENIZER_JSON_CLASSES = (None, "GPT2Tokenizer", "GPT2TokenizerFast", "PreTrainedTokenizerFast", "TokenizersBackend")
+
+
 def _load_tokenizer_json(directory: Path, name: str) -> Optional[Tokenizer]:
     """A local tokenizer.json read by `tokenizers` alone: about 0.1 s, where transformers' AutoTokenizer
     took 6.8 s on the H200 machine (its import, then rebuilding the tokenizer).
@@ -110,9 +145,7 @@ def _load_tokenizer_json(directory: Path, name: str) -> Optional[Tokenizer]:
         fingerprint = _file_fingerprint(directory / "tokenizer.json")
     except Exception:   # unreadable or unusual: let transformers try, and report its error
         return None
-    if config.get("tokenizer_class") not in (None, "GPT2Tokenizer", "GPT2TokenizerFast", "PreTrainedTokenizerFast"):
-        return None
-    if config.get("add_prefix_space") or config.get("add_bos_token") or config.get("add_eos_token"):
+    if config.get("tokenizer_class") not in TOKENIZER_JSON_CLASSES or config.get("add_prefix_space"):
         return None
     ids = _special_ids(directory, config, backend)
     bos_id = ids["bos_token"] if ids["bos_token"] is not None else ids["eos_token"]
@@ -204,26 +237,47 @@ def load_tokenizer(name_or_path: str, offline_hint: str = "") -> Tokenizer:
                      eos_id=hf.eos_token_id, vocab_size=len(hf))
 
 
-def encode_cached(tokenizer: Tokenizer, text: str, use_cache: bool = True) -> np.ndarray:
-    """Token ids of text, from the cache when the same tokenizer has seen the same text before."""
-    text_hash = hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()[:24]
-    path = cache_dir() / "tokens" / f"{tokenizer.fingerprint}-{text_hash}.npy"
-    if use_cache and path.exists():
-        try:
-            return np.load(path).astype(np.int64)
-        except (OSError, ValueError, EOFError):   # EOFError: a 0-byte file
-            pass  # a damaged cache entry is simply recomputed
-    ids = tokenizer.encode(text)
-    if use_cache and len(text) >= 4096:  # small texts tokenise faster than a file round trip
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npy")
-            with os.fdopen(fd, "wb") as f:
-                np.save(f, ids.astype(np.int32 if tokenizer.vocab_size < 2**31 else np.int64))
-            os.replace(tmp, path)
-        except OSError:
-            pass  # a read-only cache only costs speed
+CACHED_CHARS = 4096   # shorter texts tokenise faster than a file round trip
+
+
+def _cached_ids(tokenizer: Tokenizer, path: Path, text_digest: str) -> Optional[np.ndarray]:
+    ids = read_entry(path, tokenizer.fingerprint, text_digest)
+    if ids is not None and ids.size and not 0 <= ids.min() <= ids.max() < tokenizer.vocab_size:
+        warn(f"token cache entry {path} holds ids outside the tokenizer's {tokenizer.vocab_size:,}; tokenising again")
+        return None
     return ids
+
+
+def encode_documents(tokenizer: Tokenizer, texts: list[str], use_cache: bool = True) -> list[np.ndarray]:
+    """Token ids of each text, from the cache when the same tokenizer has seen the same text before (a verified
+    entry: fastppl.data.token_cache; one that does not verify is tokenised again and rewritten). The texts the
+    cache does not hold are tokenised together (Tokenizer.encode_many)."""
+    entries: list[Optional[tuple[Path, str]]] = [None] * len(texts)   # (path, text digest) of the cached texts
+    for i, text in enumerate(texts):
+        if use_cache and len(text) >= CACHED_CHARS:
+            digest = text_sha256(text)
+            entries[i] = (entry_path(cache_dir(), tokenizer.fingerprint, digest), digest)
+    ids = [_cached_ids(tokenizer, *entry) if entry else None for entry in entries]
+    missing = [i for i, found in enumerate(ids) if found is None]
+    for i, encoded in zip(missing, tokenizer.encode_many([texts[i] for i in missing]) if missing else []):
+        ids[i] = encoded
+        if entries[i]:
+            path, digest = entries[i]
+            write_entry(path, tokenizer.fingerprint, digest, encoded, tokenizer.vocab_size)
+    return ids
+
+
+def encode_cached(tokenizer: Tokenizer, text: str, use_cache: bool = True) -> np.ndarray:
+    """Token ids of one text (encode_documents)."""
+    return encode_documents(tokenizer, [text], use_cache)[0]
+
+
+def check_ids_in_vocabulary(ids: np.ndarray, vocab_size: int, tokenizer_name: str) -> None:
+    """Token ids index the model's embedding: one outside it is a user error, not an IndexError."""
+    if ids.size and not 0 <= ids.min() <= ids.max() < vocab_size:
+        bad = int(ids.max()) if ids.max() >= vocab_size else int(ids.min())
+        raise FastpplError(f"tokenizer {tokenizer_name!r} gave token id {bad:,}, outside the model's vocabulary of "
+                           f"{vocab_size:,}; pass the model's own tokenizer with --tokenizer")
 
 
 def default_tokenizer_name(model_spec: str) -> str:

@@ -102,10 +102,9 @@ def resolve_checkpoint_dir(spec: str) -> Path:
         return local
     try:
         from huggingface_hub import snapshot_download
-        return Path(snapshot_download(
-            spec, allow_patterns=["*.json", "*.safetensors", "*.bin", "*.txt", "*.model", "*.tiktoken"],
-            ignore_patterns=["*onnx*", "*tflite*", "*flax*", "*msgpack*", "*.h5"],
-        ))
+
+        from .hub import hub_patterns   # one weight format, the config and the tokenizer files
+        return Path(snapshot_download(spec, allow_patterns=hub_patterns(spec)))
     except Exception as e:
         reason = first_line(e)
         raise FastpplError(

@@ -151,6 +151,9 @@ def assemble_result(config, device: torch.device, dtype: torch.dtype, documents:
                          int(words_by_document[counted].sum())),
         **error_bars(config, documents, tokens, tokenizer, plan, scored.sums, scored.nll_sum, bytes_by_document),
         "documents": len(documents), "corpus_sha256": corpus_digest,
+        # long texts go through the tokenizer in parallel pieces (fastppl.data.pieces) unless it allows no exact cut
+        "tokenization": f"whole texts: {tokenizer.whole_text_reason}" if tokenizer.whole_text_reason
+        else "exact, long texts in parallel pieces",
         "documents_skipped": len(documents) - len(plan.scored_documents), "windows": len(plan.refs),
         **how_it_ran(acceleration, scored, plan, model, device, dtype, use_kv_cache, window, kv_cache),
         "wall_seconds": time.perf_counter() - started, "scoring_seconds": scored.seconds,
