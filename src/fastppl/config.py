@@ -59,6 +59,8 @@ class EvalConfig:
     resume: Optional[str] = None        # checkpoint directory of a resumable run, see fastppl.resume
     checkpoint_seconds: float = 60.0    # with resume: save at least this often ...
     checkpoint_batches: Optional[int] = None   # ... and every this many batches
+    reference_model: Optional[str] = None   # divergence of --model from this one, see fastppl.reference
+    reference_seed: Optional[int] = None    # seeds a random:<preset> reference; None = seed
 
     def __post_init__(self) -> None:
         if self.window not in WINDOW_MODES:

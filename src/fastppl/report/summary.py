@@ -46,4 +46,7 @@ def summary(result: dict) -> str:
         run, without = result["tokens_forwarded"], result["tokens_forwarded_without_cache"]
         lines.append(f"kv cache    {result['kv_cache']}: {run:,} token positions run instead of {without:,} "
                      f"({without / max(run, 1):.1f}x fewer)")
+    if result.get("divergence"):
+        from .divergence import divergence_lines
+        lines += divergence_lines(result["divergence"])
     return "\n".join(lines)
