@@ -39,17 +39,31 @@ def chunked_divergence(
 
 def _divergence_of_logits(logits: torch.Tensor, reference_logits: torch.Tensor,
                           targets: torch.Tensor) -> torch.Tensor:
-    """The COLUMNS of one chunk; both (c, V) fp32 logit tensors are overwritten (in place: no third one)."""
+    """The COLUMNS of one chunk; both (c, V) fp32 logit tensors are overwritten (in place: at most one more
+    (c, V) tensor exists at a time).
+
+    Written for fp32's rounding, with d = logit - max logit of the row and S = Σ_v exp(d_v):
+        ln p(v) = d_v - ln S,   KL(A ‖ B) = Σ_v exp(dA_v) (dA_v - dB_v) / S_A + ln(S_B / S_A)
+    The sums over the vocabulary are float64, and no ln S (about ln V) is subtracted from another: the tokens
+    that carry the probability have d near 0, where fp32 is finest. Against a float64 softmax of the same
+    logits the KL is within about 1e-7 relative (a plain fp32 log-softmax: 1e-5)."""
     same_top1 = (logits.argmax(-1) == reference_logits.argmax(-1)).float()                     # (c,)
-    log_p = logits.sub_(logits.logsumexp(-1, keepdim=True))                                    # ln p_B
-    reference_log_p = reference_logits.sub_(reference_logits.logsumexp(-1, keepdim=True))      # ln p_A
-    nll = -log_p.gather(1, targets[:, None])[:, 0]
-    reference_nll = -reference_log_p.gather(1, targets[:, None])[:, 0]
-    log_ratio = log_p.sub_(reference_log_p).neg_()                                             # ln p_A - ln p_B
-    reference_p = reference_log_p.exp_()                                                       # p_A
-    kld = (reference_p.unsqueeze(1) @ log_ratio.unsqueeze(2))[:, 0, 0]                         # row-wise dot
-    delta_p = torch.exp(-nll) - torch.exp(-reference_nll)
-    return torch.stack([nll, reference_nll, kld, same_top1, delta_p], dim=1)
+    maximum, reference_maximum = logits.amax(-1, keepdim=True), reference_logits.amax(-1, keepdim=True)
+    # the targets' d in float64, exact: a low-probability target's d rounded to fp32 would be off by its ulp
+    target_shifted = (logits.gather(1, targets[:, None]).double() - maximum.double())[:, 0]
+    reference_target_shifted = (reference_logits.gather(1, targets[:, None]).double() - reference_maximum.double())[:, 0]
+    shifted = logits.sub_(maximum)                                                             # dB
+    reference_shifted = reference_logits.sub_(reference_maximum)                               # dA
+    exp_sum = shifted.exp().sum(-1, dtype=torch.float64)                                       # S_B
+    log_ratio = shifted.sub_(reference_shifted).neg_()                                         # dA - dB
+    reference_exp = reference_shifted.exp_()                                                   # exp(dA)
+    reference_exp_sum = reference_exp.sum(-1, dtype=torch.float64)                             # S_A
+    cross = log_ratio.mul_(reference_exp).sum(-1, dtype=torch.float64)
+    kld = cross / reference_exp_sum + torch.log(exp_sum / reference_exp_sum)
+    nll = torch.log(exp_sum) - target_shifted
+    reference_nll = torch.log(reference_exp_sum) - reference_target_shifted
+    delta_p = torch.exp(target_shifted) / exp_sum - torch.exp(reference_target_shifted) / reference_exp_sum
+    return torch.stack([nll, reference_nll, kld, same_top1.double(), delta_p], dim=1).float()
 
 
 def make_divergence_score_fn(model: nn.Module, reference: nn.Module, chunk_rows: int = 8192):

@@ -1,0 +1,286 @@
+"""eval --reference-model against a brute-force reference: for every scored token, both models run on exactly the
+tokens its window reads, a full float64 softmax over the vocabulary, and the statistics computed from their
+textbook definitions; in every window mode and batching, each statistic within 1e-6 relative of fastppl's fp32
+run (and every token's values near those of the models run in float64 throughout). A model against itself diverges by exactly 0. Plus the refusals, --per-token's columns, the summary and the
+figure."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from fastppl.cli import main
+from fastppl.config import EvalConfig
+from fastppl.engine.divergence import COLUMNS
+from fastppl.pipeline import evaluate
+from fixtures.window_references import hf_guide_pairs, lm_eval_rolling_pairs
+
+TEXT_CHARS = 700       # about 200 tokens: windows that do not divide evenly into the batches below
+BOS = 50256
+DOCS = ["The quick brown fox jumps over the lazy dog, and then the dog wakes up and chases the fox.", "A",
+        "Call me Ishmael. Some years ago, never mind how long precisely, having little or no money in my purse.",
+        "It is a truth universally acknowledged, that a single man in possession of a good fortune must be in want "
+        "of a wife."]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Thousands of tiny products: with several threads on a busy machine each waits on the others (200x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def related_models(monkeypatch):
+    """random:<preset> weights well above the 0.02 init (predictions far from uniform, so that an error shows),
+    each seed's the same base plus its own perturbation: two seeds are two related models, as a model and its
+    quantised or fine-tuned copy are."""
+    import fastppl.models.loading as loading
+    plain = loading.random_native
+
+    def related(preset, seed=0, device="cpu"):
+        model = plain(preset, 0, device)
+        base, own = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1000 + seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" not in name and "ln" not in name:
+                    p.copy_(torch.randn(p.shape, generator=base) * 0.1 + torch.randn(p.shape, generator=own) * 0.03)
+        return model
+
+    monkeypatch.setattr(loading, "random_native", related)
+    return related
+
+
+@pytest.fixture(scope="module")
+def text(shakespeare) -> str:
+    return shakespeare.read_text()[:TEXT_CHARS]
+
+
+@pytest.fixture(scope="module")
+def text_path(tmp_path_factory, text):
+    path = tmp_path_factory.mktemp("divergence") / "slice.txt"
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def token_ids(tokenizer_dir, text) -> list[int]:
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir))(text)["input_ids"]
+
+
+def _evaluate(tokenizer_dir, data, preset="gpt2-tiny", reference_seed=1, **kwargs) -> dict:
+    return evaluate(EvalConfig(model=f"random:{preset}", reference_model=f"random:{preset}",
+                               reference_seed=reference_seed, data=[str(d) for d in data],
+                               tokenizer=str(tokenizer_dir), device="cpu", dtype="fp32", quiet=True,
+                               per_token="unused.npy", **kwargs))
+
+
+# ------------------------------------------------------------------------------------------------ brute force
+
+def _float64_log_softmax(model, read: torch.Tensor) -> torch.Tensor:
+    """(V,) float64 log-probabilities of the token after read (1, n): the model's forward in its own dtype,
+    then the last position's hidden state projected onto the vocabulary and normalised in float64."""
+    hidden = model(read)[0, -1].double()
+    bias = model.lm_head.bias.double() if getattr(model.lm_head, "bias", None) is not None else None
+    return torch.log_softmax(torch.nn.functional.linear(hidden, model.lm_head.weight.double(), bias), -1)
+
+
+def _brute_force_columns(models, stream: list[int], pairs) -> dict[int, list[float]]:
+    """{stream index of the target: its COLUMNS}, each target predicted from stream[context_start:target] by a
+    forward pass of both models over exactly those tokens and a full float64 softmax."""
+    model, reference = models
+    columns = {}
+    with torch.no_grad():
+        for start, target in pairs:
+            read = torch.tensor([stream[start:target]])
+            log_p, reference_log_p = (_float64_log_softmax(m, read) for m in (model, reference))
+            token = stream[target]
+            kld = float((reference_log_p.exp() * (reference_log_p - log_p)).sum())
+            same = float(log_p.argmax() == reference_log_p.argmax())
+            delta_p = float(log_p[token].exp() - reference_log_p[token].exp())
+            columns[target] = [float(-log_p[token]), float(-reference_log_p[token]), kld, same, delta_p]
+    return columns
+
+
+def _percentile(values: np.ndarray, percent: float) -> float:
+    """The linear interpolation between closest ranks, written out."""
+    ordered = np.sort(values)
+    rank = percent / 100 * (len(ordered) - 1)
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return float(ordered[low] + (rank - low) * (ordered[high] - ordered[low]))
+
+
+def _mean_and_error(values: np.ndarray) -> tuple[float, float]:
+    """llama.cpp's: the mean, and sqrt((mean of squares - square of mean) / (n - 1))."""
+    n = len(values)
+    mean = sum(values) / n
+    return mean, math.sqrt((sum(values * values) / n - mean * mean) / (n - 1))
+
+
+def _brute_force_statistics(columns: np.ndarray) -> dict:
+    nll, reference_nll, kld, same, delta_p = columns.T
+    expected = {"tokens": len(kld), "ppl": math.exp(nll.sum() / len(nll)),
+                "reference_ppl": math.exp(reference_nll.sum() / len(nll)), "kld_max": kld.max(), "kld_min": kld.min(),
+                "kld_median": _percentile(kld, 50), "delta_p_min": delta_p.min(), "delta_p_max": delta_p.max(),
+                "delta_p_rms": math.sqrt(sum(delta_p * delta_p) / len(delta_p))}
+    for name, values in (("kld_mean", kld), ("same_top1", same), ("delta_p_mean", delta_p),
+                         ("ln_ppl_ratio", nll - reference_nll)):
+        expected[name], expected[name.replace("_mean", "") + ("_error" if name == "same_top1" or name == "ln_ppl_ratio"
+                                                               else "_mean_error")] = _mean_and_error(values)
+    expected["ppl_ratio"] = expected["ppl"] / expected["reference_ppl"]
+    expected["largest_p"] = float(max(np.exp(-nll).max(), np.exp(-reference_nll).max()))
+    expected["ppl_ratio_error"] = expected["ppl_ratio"] * expected["ln_ppl_ratio_error"]
+    for p in (50, 90, 95, 99, 99.9):
+        expected[f"kld_p{p:g}"] = _percentile(kld, p)
+    for p in (0.1, 1, 5, 10, 25, 50, 75, 90, 95, 99, 99.9):
+        expected[f"delta_p_p{p:g}"] = _percentile(delta_p, p)
+    return expected
+
+
+def _models(related_models, preset, dtype=torch.float32):
+    return [related_models(preset, seed).to(dtype).eval() for seed in (0, 1)]
+
+
+def _stream_and_pairs(ids: list[int], window: str, ctx: int, stride, bos: bool):
+    """The document's stream, its (context_start, target) pairs, and the token index of stream index j."""
+    if window == "chunked":
+        return [BOS] + ids, lm_eval_rolling_pairs(len(ids), ctx), 1
+    stream = [BOS] + ids if bos else ids
+    return stream, hf_guide_pairs(len(stream), ctx, stride), 1 if bos else 0
+
+
+def _assert_statistics(result: dict, expected: dict) -> None:
+    d = result["divergence"]
+    for name, value in expected.items():
+        if name == "largest_p":
+            continue
+        # Δp is a difference of two probabilities, each within 1e-6 relative in fp32; where they nearly cancel the
+        # difference's relative error grows as p / Δp, so Δp is held to 1e-6 of the probabilities instead
+        floor = 1e-6 * expected["largest_p"] if name.startswith("delta_p") else 0
+        assert d[name] == pytest.approx(value, rel=1e-6, abs=floor), name
+    assert result["ppl"] == pytest.approx(expected["ppl"], rel=1e-6)
+
+
+CASES = [   # window, ctx, stride, bos, batch size, preset
+    ("chunked", 32, None, False, 3, "gpt2-tiny"),
+    ("sliding", 32, 12, False, 4, "gpt2-tiny"),
+    ("sliding", 24, 24, True, 5, "gpt2-tiny"),
+    ("chunked", 40, None, False, 2, "llama-tiny"),
+]
+
+
+@pytest.mark.parametrize("window, ctx, stride, bos, batch_size, preset", CASES)
+def test_every_statistic_equals_the_float64_brute_force(related_models, tokenizer_dir, text_path, token_ids,
+                                                        window, ctx, stride, bos, batch_size, preset):
+    result = _evaluate(tokenizer_dir, [text_path], preset, window=window, ctx=ctx, stride=stride, bos=bos,
+                       batch_size=batch_size)
+    stream, pairs, offset = _stream_and_pairs(token_ids, window, ctx, stride, bos)
+    expected_columns, float64_columns = (np.full((len(token_ids), len(COLUMNS)), np.nan) for _ in range(2))
+    for dtype, into in ((torch.float32, expected_columns), (torch.float64, float64_columns)):
+        for target, columns in _brute_force_columns(_models(related_models, preset, dtype), stream, pairs).items():
+            into[target - offset] = columns
+    per_token = result["_per_token"]
+    assert per_token.shape == expected_columns.shape and per_token.dtype == np.float32
+    np.testing.assert_array_equal(np.isnan(per_token), np.isnan(expected_columns))   # the same tokens scored
+    np.testing.assert_allclose(per_token, expected_columns, rtol=1e-6, atol=1e-9)
+    # and the fp32 forward passes themselves: every value near that of float64 models
+    np.testing.assert_allclose(per_token, float64_columns, rtol=2e-5, atol=1e-8)
+    expected = _brute_force_statistics(expected_columns[~np.isnan(expected_columns[:, 0])])
+    assert 0.05 < expected["kld_mean"] < 5 and 0 < expected["same_top1"] < 1   # a divergence worth measuring
+    _assert_statistics(result, expected)
+
+
+@pytest.mark.parametrize("batching", ["packed", "bucketed"])
+def test_documents_packed_or_bucketed_equal_the_brute_force(related_models, tokenizer_dir, tmp_path, batching):
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    result = _evaluate(tokenizer_dir, [docs], ctx=16, batching=batching, batch_size=3)
+    assert result["batching"] == batching
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    models = _models(related_models, "gpt2-tiny")
+    expected_columns = []
+    for doc in DOCS:
+        ids = tokenizer(doc)["input_ids"]
+        by_target = _brute_force_columns(models, [BOS] + ids, lm_eval_rolling_pairs(len(ids), 16))
+        expected_columns += [by_target[j + 1] for j in range(len(ids))]
+    expected_columns = np.array(expected_columns)
+    np.testing.assert_allclose(result["_per_token"], expected_columns, rtol=1e-5, atol=1e-7)
+    _assert_statistics(result, _brute_force_statistics(expected_columns))
+
+
+def test_kld_by_position_is_the_mean_at_each_position(related_models, tokenizer_dir, text_path, token_ids):
+    result = _evaluate(tokenizer_dir, [text_path], ctx=32, batch_size=3)
+    pairs = lm_eval_rolling_pairs(len(token_ids), 32)
+    kld = result["_per_token"][:, COLUMNS.index("kld")].astype(np.float64)
+    positions = np.array([target - start - 1 for start, target in pairs])   # tokens read before the target, - 1
+    expected = [kld[positions == p].mean() for p in range(32)]
+    assert result["divergence"]["kld_by_position"] == pytest.approx(expected, rel=1e-9)
+    histogram = result["divergence"]["kld_histogram"]
+    assert sum(histogram["counts"]) + histogram["at_most_zero"] == len(token_ids)
+
+
+@pytest.mark.parametrize("window, stride", [("chunked", None), ("sliding", 10)])
+def test_a_model_against_itself_diverges_by_exactly_zero(related_models, tokenizer_dir, text_path, window, stride):
+    result = _evaluate(tokenizer_dir, [text_path], reference_seed=0, ctx=32, batch_size=3, window=window,
+                       stride=stride)
+    d = result["divergence"]
+    assert d["kld_mean"] == 0.0 and d["kld_max"] == 0.0 and d["kld_min"] == 0.0
+    assert d["same_top1"] == 1.0 and d["delta_p_rms"] == 0.0 and d["ppl_ratio"] == 1.0 and d["ln_ppl_ratio"] == 0.0
+    assert d["kld_histogram"] == {"edges": [], "counts": [], "at_most_zero": d["tokens"]}
+
+
+def test_batch_size_does_not_change_the_divergence(related_models, tokenizer_dir, text_path):
+    one, many = (_evaluate(tokenizer_dir, [text_path], ctx=32, batch_size=b)["divergence"] for b in (1, 7))
+    for name, value in one.items():
+        if isinstance(value, float):
+            assert many[name] == pytest.approx(value, rel=1e-6, abs=1e-12), name
+
+
+# ------------------------------------------------------------------------------------------------ the command
+
+def _cli(tokenizer_dir, data, *extra) -> int:
+    return main(["eval", "--model", "random:gpt2-tiny", "--tokenizer", str(tokenizer_dir), "--data", str(data),
+                 "--device", "cpu", "--ctx", "32", "--quiet", *extra])
+
+
+def test_command_writes_columns_json_summary_and_figure(tmp_path, tokenizer_dir, text_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = {name: tmp_path / name for name in ("r.json", "t.npy", "kld.png")}
+    assert _cli(tokenizer_dir, text_path, "--reference-model", "random:gpt2-tiny", "--reference-seed", "3",
+                "--json", str(out["r.json"]), "--per-token", str(out["t.npy"]), "--plot", str(out["kld.png"])) == 0
+    stdout = capsys.readouterr().out
+    for line in ("reference   random:gpt2-tiny", "kld         mean", "same top-1", "delta p     mean"):
+        assert line in stdout
+    result = json.loads(out["r.json"].read_text())
+    columns = np.load(out["t.npy"])
+    assert columns.shape == (result["tokens_total"], len(COLUMNS))
+    assert result["divergence"]["reference_seed"] == 3 and result["config"]["reference_model"] == "random:gpt2-tiny"
+    assert np.nansum(columns[:, 0].astype(np.float64)) == pytest.approx(result["nll_sum"], rel=1e-9)
+    assert out["kld.png"].read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--reference-model", "random:llama-tiny"],
+     "--reference-model random:llama-tiny has a vocabulary of 50,304 ids but --model random:gpt2-tiny has 50,257; "
+     "compare two models of one tokenizer and vocabulary"),
+    (["--reference-model", " "], "--reference-model is empty; give a checkpoint directory, a hub id or random:<preset>"),
+    (["--reference-seed", "2"], "--reference-seed applies with --reference-model only; add --reference-model or drop it"),
+    (["--reference-model", "random:gpt2-tiny", "--loss", "fused"],
+     "--loss fused does not work with --reference-model (both models' divergence runs its own chunked kernel over "
+     "every position); drop --loss fused"),
+    (["--reference-model", "random:gpt2-tiny", "--resume", "ckpt"],
+     "--resume does not work with --reference-model (both models' divergence runs its own chunked kernel over "
+     "every position); drop --resume"),
+])
+def test_refusals_are_one_line(tmp_path, tokenizer_dir, text_path, capsys, monkeypatch, extra, message):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "r.json"
+    assert _cli(tokenizer_dir, text_path, "--json", str(out), *extra) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"fastppl: error: {message}\n" and captured.out == ""
+    assert not out.exists() and not (tmp_path / "ckpt").exists()
