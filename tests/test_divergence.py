@@ -284,3 +284,41 @@ def test_refusals_are_one_line(tmp_path, tokenizer_dir, text_path, capsys, monke
     captured = capsys.readouterr()
     assert captured.err == f"fastppl: error: {message}\n" and captured.out == ""
     assert not out.exists() and not (tmp_path / "ckpt").exists()
+
+
+# ------------------------------------------------------------------------------------------------ two processes
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_process(tmp_path, tokenizer_dir, text_path):
+    """Each rank scores its share of the batches; the per-token values are merged before any statistic, so two
+    gloo processes on the CPU give rank 0 the one process' report and columns, bit for bit."""
+    import subprocess
+    import sys
+    from test_distributed import _env
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    common = ["--model", "random:gpt2-tiny", "--reference-model", "random:gpt2-tiny", "--reference-seed", "1",
+              "--tokenizer", str(tokenizer_dir), "--device", "cpu", "--quiet"]
+    cases = {"chunked": ["--data", str(text_path), "--ctx", "32", "--batch-size", "3"],
+             "sliding": ["--data", str(text_path), "--window", "sliding", "--ctx", "32", "--stride", "12"],
+             "docs": ["--data", str(docs), "--ctx", "16", "--batch-size", "2"]}
+    outputs = lambda where, name: ["--json", str(where / f"{name}.json"), "--per-token", str(where / f"{name}.npy")]
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    for name, argv in cases.items():
+        assert main(["eval", *common, *argv, *outputs(one, name)]) == 0
+    jobs = [["eval", *common, *argv, *outputs(two, name)] for name, argv in cases.items()]
+    runner = tmp_path / "run_cases.py"
+    runner.write_text("import json, sys\nfrom fastppl.cli import main\n"
+                      "for argv in json.load(open(sys.argv[1])):\n    assert main(argv) == 0, argv\n")
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(runner), str(tmp_path / "jobs.json")], env=_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in cases:
+        a, b = (json.loads((where / f"{name}.json").read_text()) for where in (one, two))
+        assert b["world_size"] == 2 and a["divergence"]["tokens"] == a["tokens_scored"]
+        assert b["divergence"] == a["divergence"], name   # percentiles, histogram and KLD by position included
+        np.testing.assert_array_equal(np.load(one / f"{name}.npy"), np.load(two / f"{name}.npy"))
