@@ -322,3 +322,28 @@ def test_two_ranks_equal_one_process(tmp_path, tokenizer_dir, text_path):
         assert b["world_size"] == 2 and a["divergence"]["tokens"] == a["tokens_scored"]
         assert b["divergence"] == a["divergence"], name   # percentiles, histogram and KLD by position included
         np.testing.assert_array_equal(np.load(one / f"{name}.npy"), np.load(two / f"{name}.npy"))
+
+
+def test_the_benchmark_runs_tiny_on_the_cpu(tmp_path, tokenizer_dir, text_path):
+    """benchmarks/divergence.py: the three variants on the same tokens, their table, and the peer's stored
+    log-probabilities (2 bytes per vocabulary entry per scored token) giving the one pass' mean KLD to fp16's
+    precision."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "divergence.py"), "--model", "gpt2-tiny",
+                           "--device", "cpu", "--ctx", "32", "--data", str(text_path), "--split", "all",
+                           "--tokenizer", str(tokenizer_dir), "--logits-dir", str(tmp_path)],
+                          env={**__import__("os").environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
+            for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line}
+    single, together, peer = (rows[name] for name in ("fastppl eval (model alone)", "fastppl eval --reference-model",
+                                                      "stored logits (two runs, fp16 on disk)"))
+    assert single[0] == together[0] == peer[0]                              # the same tokens scored
+    assert float(peer[4]) == pytest.approx(float(together[4]), rel=1e-3)   # fp16 log-probabilities: 3 digits
+    n_tokens = int(peer[0].replace(",", ""))
+    assert float(peer[5]) == pytest.approx(n_tokens * 50257 * 2 / 2**30, abs=0.006)
+    assert not list(tmp_path.iterdir())                                     # the peer's file removed

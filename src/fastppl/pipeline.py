@@ -192,7 +192,8 @@ def choose_batches(run: Run, model: nn.Module, plan: WindowPlan, acceleration: A
     probe_sums = DeviceSums.zeros(ctx, run.device)
     longest = [refs[int(np.argmax(plan.window_lengths))]]   # every rank probes with the same window
     # rows of ctx positions: a padded or packed row is ctx long, and a bucket's rows hold as many positions
-    bound = scoring_memory_bound(model, ctx, run.dtype.itemsize, acceleration.loss, config.loss_chunk_rows)
+    bound = scoring_memory_bound(model, ctx, run.dtype.itemsize, acceleration.loss, config.loss_chunk_rows) \
+        if not config.reference_model else None   # the bound is of one model: two models' scorer is probed
     size, reason = auto_batch_size(
         lambda rows: score_batches(score_fn, [make_batch(longest * rows, plan.stream_ids, plan.target_offsets,
                                                          rows, ctx)], probe_sums, run.device),
