@@ -347,3 +347,41 @@ def test_the_benchmark_runs_tiny_on_the_cpu(tmp_path, tokenizer_dir, text_path):
     n_tokens = int(peer[0].replace(",", ""))
     assert float(peer[5]) == pytest.approx(n_tokens * 50257 * 2 / 2**30, abs=0.006)
     assert not list(tmp_path.iterdir())                                     # the peer's file removed
+
+
+# ------------------------------------------------------------------------------------------------ on a GPU
+
+needs_a_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.mark.gpu
+@needs_a_gpu
+@pytest.mark.parametrize("window, stride", [("chunked", None), ("sliding", 12)])
+def test_on_the_gpu_the_triton_kernel_gives_the_cpu_statistics(related_models, tokenizer_dir, text_path, window,
+                                                               stride):
+    """fp32 on CUDA (the Triton divergence kernel) against fp32 on the CPU (the torch formula): the same
+    statistics up to the two devices' products (1e-5 relative)."""
+    on_cpu, on_gpu = (_evaluate(tokenizer_dir, [text_path], ctx=32, batch_size=3, window=window, stride=stride,
+                                device=device) for device in ("cpu", "cuda"))
+    assert on_gpu["loss"] == "chunked projection, divergence in triton"
+    for name, value in on_cpu["divergence"].items():
+        if isinstance(value, float) and not name.startswith("delta_p"):
+            assert on_gpu["divergence"][name] == pytest.approx(value, rel=1e-5, abs=1e-9), name
+    itself = _evaluate(tokenizer_dir, [text_path], reference_seed=0, ctx=32, device="cuda", dtype="bf16")
+    assert itself["divergence"]["kld_max"] == 0.0 and itself["divergence"]["same_top1"] == 1.0
+
+
+@pytest.mark.gpu
+@needs_a_gpu
+def test_on_the_gpu_peak_memory_is_two_models_and_one_run(tokenizer_dir, shakespeare):
+    """GPT-2 124M shapes in bf16, 16 rows of 1024: the divergence run's peak is at most both models' weights and
+    1.2x a single-model run's activations (its peak above its weights)."""
+    from fastppl.models.loading import random_gpt2
+    weights = sum(p.numel() for p in random_gpt2("gpt2", 0).parameters()) * 2   # bf16
+    common = dict(model="random:gpt2", data=[str(shakespeare)], split="val", tokenizer=str(tokenizer_dir),
+                  device="cuda", dtype="bf16", ctx=1024, batch_size=16, quiet=True)
+    single = evaluate(EvalConfig(**common))
+    both = evaluate(EvalConfig(**common, reference_model="random:gpt2", reference_seed=1))
+    activations = single["peak_memory_bytes"] - weights
+    assert both["peak_memory_bytes"] - 2 * weights <= 1.2 * activations, (single["peak_memory_bytes"],
+                                                                          both["peak_memory_bytes"], weights)

@@ -115,9 +115,15 @@ def tuned_products(model: nn.Module, tuning: cublaslt.TuningChoice) -> Iterator[
 def divergence_score_fn_for(model: nn.Module, reference: nn.Module, acceleration: Acceleration,
                             batching_setting: str, chunk_rows: int = 8192) -> tuple[Acceleration, ScoreFn]:
     """With --reference-model: the reference gets the model's fusions, the batching one both forwards take, and
-    the scorer of both models' divergence (fastppl.engine.divergence), compiled when the run compiles."""
+    the scorer of both models' divergence (fastppl.engine.divergence): compiled when the run compiles (Inductor
+    fuses the torch formula), else with the Triton kernel where CUDA and Triton are (it reads the logits once
+    more instead of a dozen times, in the model's dtype)."""
     from ..engine.divergence import make_divergence_score_fn
-    reference_fusions = apply_fusions(reference, next(reference.parameters()).device, acceleration)
+    from ..engine.loss import fused_loss_available
+    device = next(reference.parameters()).device
+    reference_fusions = apply_fusions(reference, device, acceleration)
+    kernel = "triton" if not acceleration.compiled and fused_loss_available(device) else "torch"
+    acceleration = dataclasses.replace(acceleration, loss=f"chunked projection, divergence in {kernel}")
     if acceleration.batching == "packed" and not takes_document_ids(reference):
         if batching_setting == "packed":
             raise FastpplError("--batching packed needs both models' forwards to take document_ids (the native "
@@ -126,5 +132,5 @@ def divergence_score_fn_for(model: nn.Module, reference: nn.Module, acceleration
             "bucketed (auto: the reference model cannot keep packed documents apart)"))
     if reference_fusions.mlp_epilogue != acceleration.mlp_epilogue:   # a report line for the model under test
         acceleration = dataclasses.replace(acceleration, mlp_epilogue=acceleration.mlp_epilogue + " (model only)")
-    score_fn = make_divergence_score_fn(model, reference, chunk_rows)
+    score_fn = make_divergence_score_fn(model, reference, chunk_rows, kernel)
     return acceleration, compile_score_fn(score_fn) if acceleration.compiled else score_fn

@@ -14,6 +14,9 @@ from ..models.attention import DocumentIds
 # the columns of a divergence scorer's (B, T, 5) output, of DeviceSums.divergence and of --per-token's array
 COLUMNS = ("nll", "reference_nll", "kld", "same_top1", "delta_p")
 KLD_COLUMN = COLUMNS.index("kld")
+# at most this many logits of each model at once (the rows of a chunk: --loss-chunk-rows or fewer): 128 MiB of
+# bf16 logits a model, so that the divergence adds little to one forward pass' activations (GPT-2: 1,335 rows)
+CHUNK_LOGITS = 2 ** 26
 
 
 def chunked_divergence(
@@ -23,17 +26,23 @@ def chunked_divergence(
     reference_weight: torch.Tensor,    # (V, C')
     targets: torch.Tensor,             # (N,) int64
     bias: Optional[torch.Tensor] = None, reference_bias: Optional[torch.Tensor] = None,
-    chunk_rows: int = 8192,
+    chunk_rows: int = 8192, kernel: str = "torch",
 ) -> torch.Tensor:
     """(N, 5) fp32, the COLUMNS: -ln p_B(target), -ln p_A(target), KL(A ‖ B) = Σ_v p_A(v) (ln p_A(v) - ln p_B(v)),
     1.0 where argmax p_A = argmax p_B (the lowest id on a tie, as torch.argmax picks), p_B(target) - p_A(target).
-    Identical logits give a KL of exactly 0: each term is p_A(v) times a difference of equal numbers."""
+    Identical logits give a KL of exactly 0: each term is p_A(v) times a difference of equal numbers.
+    kernel: "torch" (any device; the logits upcast to fp32), or "triton" (fastppl.engine.divergence_kernel: CUDA,
+    or Triton's interpreter; it reads the logits in the model's dtype)."""
     pieces = []
     for begin in range(0, hidden.shape[0], chunk_rows):
         rows = slice(begin, begin + chunk_rows)
-        logits = F.linear(hidden[rows], weight, bias).float()                                    # (c, V)
-        reference_logits = F.linear(reference_hidden[rows], reference_weight, reference_bias).float()  # (c, V)
-        pieces.append(_divergence_of_logits(logits, reference_logits, targets[rows]))
+        logits = F.linear(hidden[rows], weight, bias)                                            # (c, V)
+        reference_logits = F.linear(reference_hidden[rows], reference_weight, reference_bias)    # (c, V)
+        if kernel == "triton":
+            from .divergence_kernel import divergence_of_logits_triton
+            pieces.append(divergence_of_logits_triton(logits, reference_logits, targets[rows]))
+        else:
+            pieces.append(_divergence_of_logits(logits.float(), reference_logits.float(), targets[rows]))
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
@@ -66,12 +75,13 @@ def _divergence_of_logits(logits: torch.Tensor, reference_logits: torch.Tensor,
     return torch.stack([nll, reference_nll, kld, same_top1.double(), delta_p], dim=1).float()
 
 
-def make_divergence_score_fn(model: nn.Module, reference: nn.Module, chunk_rows: int = 8192):
+def make_divergence_score_fn(model: nn.Module, reference: nn.Module, chunk_rows: int = 8192, kernel: str = "torch"):
     """A scorer as fastppl.engine.score.make_score_fn's, whose output is (B, T, 5) fp32 (the COLUMNS, 0 where not
     scored) instead of (B, T): column 0 is the model's NLL, which every NLL sum reads. Both models, on one
     device, read the same rows (and packed rows' positions and documents)."""
     bias = getattr(model.lm_head, "bias", None)
     reference_bias = getattr(reference.lm_head, "bias", None)
+    chunk_rows = max(1, min(chunk_rows, CHUNK_LOGITS // model.lm_head.weight.shape[0]))
 
     def score(input_ids: torch.Tensor, targets: torch.Tensor, score_mask: torch.Tensor,
               position_ids: Optional[torch.Tensor] = None, document_ids: Optional[DocumentIds] = None) -> torch.Tensor:
@@ -81,7 +91,7 @@ def make_divergence_score_fn(model: nn.Module, reference: nn.Module, chunk_rows:
         reference_hidden = reference(input_ids, *packed)                                      # (B, T, C')
         values = chunked_divergence(
             hidden.reshape(B * T, -1), model.lm_head.weight, reference_hidden.reshape(B * T, -1),
-            reference.lm_head.weight, targets.reshape(B * T), bias, reference_bias, chunk_rows)   # (B * T, 5)
+            reference.lm_head.weight, targets.reshape(B * T), bias, reference_bias, chunk_rows, kernel)   # (B * T, 5)
         return torch.where(score_mask[..., None], values.view(B, T, len(COLUMNS)), 0.0)
 
     return score

@@ -86,9 +86,9 @@ def divergence_lines(d: dict) -> list[str]:
         f"kld         mean {d['kld_mean']:.6g} ± {d['kld_mean_error']:.2g}  median {kld('median')}  p90 {kld('p90')}  "
         f"p95 {kld('p95')}  p99 {kld('p99')}  p99.9 {kld('p99.9')}  max {kld('max')}",
         f"same top-1  {100 * d['same_top1']:.3f} ± {100 * d['same_top1_error']:.3f} %",
-        f"delta p     mean {100 * d['delta_p_mean']:.4f} ± {100 * d['delta_p_mean_error']:.4f} %  "
-        f"rms {100 * d['delta_p_rms']:.4f} %  p1 {100 * d['delta_p_p1']:.3f} %  median {100 * d['delta_p_p50']:.3f} %  "
-        f"p99 {100 * d['delta_p_p99']:.3f} %",
+        f"delta p     mean {100 * d['delta_p_mean']:.4g} ± {100 * d['delta_p_mean_error']:.2g} %  "
+        f"rms {100 * d['delta_p_rms']:.4g} %  p1 {100 * d['delta_p_p1']:.4g} %  median {100 * d['delta_p_p50']:.4g} %  "
+        f"p99 {100 * d['delta_p_p99']:.4g} %",
     ]
 
 
