@@ -270,6 +270,10 @@ def test_command_writes_columns_json_summary_and_figure(tmp_path, tokenizer_dir,
      "compare two models of one tokenizer and vocabulary"),
     (["--reference-model", " "], "--reference-model is empty; give a checkpoint directory, a hub id or random:<preset>"),
     (["--reference-seed", "2"], "--reference-seed applies with --reference-model only; add --reference-model or drop it"),
+    (["--reference-device", "cpu"],
+     "--reference-device applies with --reference-model only; add --reference-model or drop it"),
+    (["--reference-model", "random:gpt2-tiny", "--reference-device", "tpu"],
+     "unknown --reference-device 'tpu'; use auto, cpu, cuda or cuda:N"),
     (["--reference-model", "random:gpt2-tiny", "--loss", "fused"],
      "--loss fused does not work with --reference-model (both models' divergence runs its own chunked kernel over "
      "every position); drop --loss fused"),
@@ -385,3 +389,18 @@ def test_on_the_gpu_peak_memory_is_two_models_and_one_run(tokenizer_dir, shakesp
     activations = single["peak_memory_bytes"] - weights
     assert both["peak_memory_bytes"] - 2 * weights <= 1.2 * activations, (single["peak_memory_bytes"],
                                                                           both["peak_memory_bytes"], weights)
+
+
+@pytest.mark.gpu
+@needs_a_gpu
+def test_a_reference_on_a_device_of_its_own_gives_the_same_divergence(related_models, tokenizer_dir, tmp_path):
+    """--reference-device: the reference's forward on its device (here the CPU beside the GPU, as a second GPU
+    would be), its hidden states brought to the model's; the same statistics as both on the GPU, packed rows
+    included."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    together, apart = (_evaluate(tokenizer_dir, [docs], ctx=16, batching="packed", batch_size=3, device="cuda",
+                                 reference_device=where) for where in (None, "cpu"))
+    for name, value in together["divergence"].items():
+        if isinstance(value, float) and not name.startswith("delta_p"):
+            assert apart["divergence"][name] == pytest.approx(value, rel=1e-5, abs=1e-9), name

@@ -61,6 +61,7 @@ class EvalConfig:
     checkpoint_batches: Optional[int] = None   # ... and every this many batches
     reference_model: Optional[str] = None   # divergence of --model from this one, see fastppl.reference
     reference_seed: Optional[int] = None    # seeds a random:<preset> reference; None = seed
+    reference_device: Optional[str] = None  # where the reference runs; None = device
 
     def __post_init__(self) -> None:
         if self.window not in WINDOW_MODES:

@@ -68,7 +68,7 @@ def evaluate(config: EvalConfig) -> dict:
     dist = init_distributed(config.device)
     device = dist.device if dist else resolve_device(config.device)
     run = Run(config, device, resolve_dtype(config.dtype, device), dist, started)
-    check_reference_options(config)
+    check_reference_options(config, dist is not None)
     # overlaps the CUDA context's creation and Triton's first use with reading corpus, tokenizer and weights
     warm_ups = start_cuda_warm_up(device) if not dist else []
     documents = [d for source in config.data for d in load_documents(
@@ -175,8 +175,8 @@ def accelerate(run: Run, model: nn.Module, plan: WindowPlan,
         n_documents=len(plan.scored_documents))
     acceleration = apply_fusions(model, run.device, acceleration)
     if reference is not None:
-        acceleration, score_fn = divergence_score_fn_for(model, reference.to(run.device), acceleration,
-                                                         run.config.batching, run.config.loss_chunk_rows)
+        acceleration, score_fn = divergence_score_fn_for(model, reference, acceleration, run.config.batching,
+                                                         run.config.loss_chunk_rows)
         return model, acceleration, score_fn
     return model, acceleration, score_fn_for(model, acceleration, run.config.loss_chunk_rows)
 

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from .config import EvalConfig
 from .engine.divergence import KLD_COLUMN
+from .engine.precision import resolve_device
 from .engine.score import DeviceSums
 from .errors import FastpplError
 from .models import load_model
@@ -19,12 +20,16 @@ from .models.loading import position_limit_note
 from .report.divergence import divergence_statistics, kld_by_position, kld_histogram
 
 
-def check_reference_options(config: EvalConfig) -> None:
+def check_reference_options(config: EvalConfig, distributed: bool) -> None:
     """Options a divergence run does not take, refused before anything is loaded."""
     if config.reference_model is None:
-        if config.reference_seed is not None:
-            raise FastpplError("--reference-seed applies with --reference-model only; add --reference-model or drop it")
+        for flag, given in (("--reference-seed", config.reference_seed), ("--reference-device", config.reference_device)):
+            if given is not None:
+                raise FastpplError(f"{flag} applies with --reference-model only; add --reference-model or drop it")
         return
+    if config.reference_device is not None and distributed:
+        raise FastpplError("--reference-device runs in one process only (each rank has one GPU); drop it or run "
+                           "without --nproc / torchrun")
     if not config.reference_model.strip():
         raise FastpplError("--reference-model is empty; give a checkpoint directory, a hub id or random:<preset>")
     refused = {"--loss fused": config.loss == "fused", "--kv-cache on": config.kv_cache == "on",
@@ -37,12 +42,17 @@ def check_reference_options(config: EvalConfig) -> None:
 
 def load_reference(config: EvalConfig, dtype: torch.dtype, device: torch.device,
                    model: nn.Module) -> Optional[nn.Module]:
-    """The reference model (None without --reference-model), in the model's dtype; refused when its vocabulary
-    is not the model's (the two must score the same token ids)."""
+    """The reference model (None without --reference-model) on its device (--reference-device, else the run's), in
+    the model's dtype; refused when its vocabulary is not the model's (the two must score the same token ids)."""
     if config.reference_model is None:
         return None
     seed = config.seed if config.reference_seed is None else config.reference_seed
-    reference = load_model(config.reference_model, config.backend, dtype, seed, device)
+    if config.reference_device is not None:
+        try:
+            device = resolve_device(config.reference_device)
+        except FastpplError as error:   # its message names --device
+            raise FastpplError(str(error).replace("--device", "--reference-device")) from None
+    reference = load_model(config.reference_model, config.backend, dtype, seed, device).to(device)
     if reference.vocab_size != model.vocab_size:
         raise FastpplError(
             f"--reference-model {config.reference_model} has a vocabulary of {reference.vocab_size:,} ids but "

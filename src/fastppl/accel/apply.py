@@ -122,7 +122,8 @@ def divergence_score_fn_for(model: nn.Module, reference: nn.Module, acceleration
     from ..engine.loss import fused_loss_available
     device = next(reference.parameters()).device
     reference_fusions = apply_fusions(reference, device, acceleration)
-    kernel = "triton" if not acceleration.compiled and fused_loss_available(device) else "torch"
+    model_device = next(model.parameters()).device   # where the divergence is computed
+    kernel = "triton" if not acceleration.compiled and fused_loss_available(model_device) else "torch"
     acceleration = dataclasses.replace(acceleration, loss=f"chunked projection, divergence in {kernel}")
     if acceleration.batching == "packed" and not takes_document_ids(reference):
         if batching_setting == "packed":

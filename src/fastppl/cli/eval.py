@@ -41,6 +41,8 @@ def _add_input_arguments(p) -> None:
                         "divergence of --model from it: KL divergence, same top-1 rate, delta p, perplexity ratio "
                         "(see docs/divergence.md) (default: none)")
     p.add_argument("--reference-seed", type=seed, help="seed of a random:PRESET reference (default: --seed)")
+    p.add_argument("--reference-device", help="where the reference model runs, e.g. cuda:1 beside --device cuda:0 "
+                                              "(default: --device)")
 
 
 def _add_scoring_arguments(p) -> None:
@@ -131,7 +133,7 @@ def config_from_args(args: argparse.Namespace):
         batching=args.batching, per_doc=args.per_doc, resume=args.resume,
         checkpoint_seconds=60.0 if args.checkpoint_seconds is None else args.checkpoint_seconds,
         checkpoint_batches=args.checkpoint_batches, reference_model=args.reference_model,
-        reference_seed=args.reference_seed,
+        reference_seed=args.reference_seed, reference_device=args.reference_device,
     )
 
 

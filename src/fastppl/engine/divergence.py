@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..models.attention import DocumentIds
+from ..models.attention import DocumentIds, DocumentSpans
 
 # the columns of a divergence scorer's (B, T, 5) output, of DeviceSums.divergence and of --per-token's array
 COLUMNS = ("nll", "reference_nll", "kld", "same_top1", "delta_p")
@@ -77,10 +77,14 @@ def _divergence_of_logits(logits: torch.Tensor, reference_logits: torch.Tensor,
 
 def make_divergence_score_fn(model: nn.Module, reference: nn.Module, chunk_rows: int = 8192, kernel: str = "torch"):
     """A scorer as fastppl.engine.score.make_score_fn's, whose output is (B, T, 5) fp32 (the COLUMNS, 0 where not
-    scored) instead of (B, T): column 0 is the model's NLL, which every NLL sum reads. Both models, on one
-    device, read the same rows (and packed rows' positions and documents)."""
+    scored) instead of (B, T): column 0 is the model's NLL, which every NLL sum reads. Both models read the same
+    rows (and packed rows' positions and documents). A reference on a device of its own runs its forward there;
+    its hidden states come to the model's device, where a copy of its output projection computes its logits."""
+    device, reference_device = model.lm_head.weight.device, reference.lm_head.weight.device
     bias = getattr(model.lm_head, "bias", None)
+    reference_weight = reference.lm_head.weight.to(device)
     reference_bias = getattr(reference.lm_head, "bias", None)
+    reference_bias = None if reference_bias is None else reference_bias.to(device)
     chunk_rows = max(1, min(chunk_rows, CHUNK_LOGITS // model.lm_head.weight.shape[0]))
 
     def score(input_ids: torch.Tensor, targets: torch.Tensor, score_mask: torch.Tensor,
@@ -88,10 +92,19 @@ def make_divergence_score_fn(model: nn.Module, reference: nn.Module, chunk_rows:
         B, T = input_ids.shape
         packed = () if document_ids is None else (position_ids, document_ids)
         hidden = model(input_ids, *packed)                                                    # (B, T, C)
-        reference_hidden = reference(input_ids, *packed)                                      # (B, T, C')
+        if reference_device == device:
+            reference_hidden = reference(input_ids, *packed)                                  # (B, T, C')
+        else:
+            reference_hidden = reference(*_moved((input_ids, *packed), reference_device)).to(device)
         values = chunked_divergence(
-            hidden.reshape(B * T, -1), model.lm_head.weight, reference_hidden.reshape(B * T, -1),
-            reference.lm_head.weight, targets.reshape(B * T), bias, reference_bias, chunk_rows, kernel)   # (B * T, 5)
+            hidden.reshape(B * T, -1), model.lm_head.weight, reference_hidden.reshape(B * T, -1), reference_weight,
+            targets.reshape(B * T), bias, reference_bias, chunk_rows, kernel)                 # (B * T, 5)
         return torch.where(score_mask[..., None], values.view(B, T, len(COLUMNS)), 0.0)
 
     return score
+
+
+def _moved(inputs: tuple, device: torch.device) -> tuple:
+    """A batch's tensors (and DocumentSpans) on another device."""
+    return tuple(DocumentSpans(x.ids.to(device), x.cu_seqlens.to(device), x.max_seqlen)
+                 if isinstance(x, DocumentSpans) else x.to(device) for x in inputs)
