@@ -16,6 +16,7 @@ HAS_TRITON = divergence_kernel.triton is not None and (torch.cuda.is_available()
                                                        or os.environ.get("TRITON_INTERPRET") == "1")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KERNELS = ["torch"] + (["triton"] if HAS_TRITON else [])
+pytestmark = [pytest.mark.gpu] if torch.cuda.is_available() else []
 
 
 def _run(kernel: str, logits: torch.Tensor, reference_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -96,3 +97,15 @@ def test_chunked_divergence_through_either_kernel():
     torch.testing.assert_close(by_triton, by_torch, rtol=1e-6, atol=1e-9)
     expected = _float64_columns(F.linear(hidden, weight), F.linear(reference_hidden, reference_weight), targets)
     torch.testing.assert_close(by_triton.double().cpu()[:, :3], expected[:, :3], rtol=1e-6, atol=2e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real shapes with the default tile: a GPU")
+@pytest.mark.parametrize("rows, vocabulary", [(1335, 50257), (523, 128256)])
+def test_the_triton_kernel_at_real_shapes_in_bf16(rows, vocabulary):
+    """A chunk of GPT-2's and of Llama-3's vocabulary as the scorer runs it: bf16 logits read as they are."""
+    logits, reference_logits, targets = _logits(rows, vocabulary, torch.bfloat16, 0)
+    out = divergence_kernel.divergence_of_logits_triton(logits, reference_logits, targets).double().cpu()
+    expected = _float64_columns(logits.cpu(), reference_logits.cpu(), targets.cpu())
+    assert ((out[:, 2] - expected[:, 2]) / expected[:, 2]).abs().max() <= 1e-6
+    assert (out[:, :2] - expected[:, :2]).abs().max() <= 2e-6
+    assert torch.equal(out[:, 3], expected[:, 3])

@@ -15,8 +15,8 @@ import torch.nn as nn
 
 from ..data.packing import resolve_batching
 from ..engine.loss import resolve_loss
-from ..errors import FastpplError
 from ..engine.score import ScoreFn, make_score_fn
+from ..errors import FastpplError
 from ..models.attention import varlen_available
 from . import cublaslt, linear
 from .compile import compile_score_fn, model_family, use_compile
