@@ -1,8 +1,8 @@
 """eval --reference-model against a brute-force reference: for every scored token, both models run on exactly the
-tokens its window reads, a full float64 softmax over the vocabulary, and the statistics computed from their
-textbook definitions; in every window mode and batching, each statistic within 1e-6 relative of fastppl's fp32
-run (and every token's values near those of the models run in float64 throughout). A model against itself diverges by exactly 0. Plus the refusals, --per-token's columns, the summary and the
-figure."""
+tokens its window reads, a full float64 softmax over the vocabulary, and the statistics computed from their textbook
+definitions; in every window mode and batching, each statistic within 1e-6 relative of fastppl's fp32 run (and every
+token's values near those of the models run in float64 throughout). A model against itself diverges by exactly 0.
+Plus the refusals, --per-token's columns, the summary, the figure, two ranks and the benchmark."""
 import json
 import math
 
@@ -234,6 +234,19 @@ def test_a_model_against_itself_diverges_by_exactly_zero(related_models, tokeniz
     assert d["kld_histogram"] == {"edges": [], "counts": [], "at_most_zero": d["tokens"]}
 
 
+def test_transformers_backend_gives_the_native_divergence(related_models, tokenizer_dir, tmp_path):
+    """--backend hf: both models through transformers (whose forward keeps no packed documents apart, so several
+    documents run bucketed), the same statistics as the native models."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    native, hf = (_evaluate(tokenizer_dir, [docs], ctx=16, batch_size=3, backend=backend)
+                  for backend in ("native", "hf"))
+    assert hf["backend"].startswith("transformers") and hf["batching"] == "bucketed"
+    for name, value in native["divergence"].items():
+        if isinstance(value, float) and not name.startswith("delta_p"):
+            assert hf["divergence"][name] == pytest.approx(value, rel=1e-5, abs=1e-9), name
+
+
 def test_batch_size_does_not_change_the_divergence(related_models, tokenizer_dir, text_path):
     one, many = (_evaluate(tokenizer_dir, [text_path], ctx=32, batch_size=b)["divergence"] for b in (1, 7))
     for name, value in one.items():
@@ -268,8 +281,10 @@ def test_command_writes_columns_json_summary_and_figure(tmp_path, tokenizer_dir,
     (["--reference-model", "random:llama-tiny"],
      "--reference-model random:llama-tiny has a vocabulary of 50,304 ids but --model random:gpt2-tiny has 50,257; "
      "compare two models of one tokenizer and vocabulary"),
-    (["--reference-model", " "], "--reference-model is empty; give a checkpoint directory, a hub id or random:<preset>"),
-    (["--reference-seed", "2"], "--reference-seed applies with --reference-model only; add --reference-model or drop it"),
+    (["--reference-model", " "],
+     "--reference-model is empty; give a checkpoint directory, a hub id or random:<preset>"),
+    (["--reference-seed", "2"],
+     "--reference-seed applies with --reference-model only; add --reference-model or drop it"),
     (["--reference-device", "cpu"],
      "--reference-device applies with --reference-model only; add --reference-model or drop it"),
     (["--reference-model", "random:gpt2-tiny", "--reference-device", "tpu"],

@@ -23,7 +23,8 @@ from .report.divergence import divergence_statistics, kld_by_position, kld_histo
 def check_reference_options(config: EvalConfig, distributed: bool) -> None:
     """Options a divergence run does not take, refused before anything is loaded."""
     if config.reference_model is None:
-        for flag, given in (("--reference-seed", config.reference_seed), ("--reference-device", config.reference_device)):
+        for flag, given in (("--reference-seed", config.reference_seed),
+                            ("--reference-device", config.reference_device)):
             if given is not None:
                 raise FastpplError(f"{flag} applies with --reference-model only; add --reference-model or drop it")
         return

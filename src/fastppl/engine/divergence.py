@@ -60,7 +60,8 @@ def _divergence_of_logits(logits: torch.Tensor, reference_logits: torch.Tensor,
     maximum, reference_maximum = logits.amax(-1, keepdim=True), reference_logits.amax(-1, keepdim=True)
     # the targets' d in float64, exact: a low-probability target's d rounded to fp32 would be off by its ulp
     target_shifted = (logits.gather(1, targets[:, None]).double() - maximum.double())[:, 0]
-    reference_target_shifted = (reference_logits.gather(1, targets[:, None]).double() - reference_maximum.double())[:, 0]
+    reference_target_shifted = (reference_logits.gather(1, targets[:, None]).double()
+                                - reference_maximum.double())[:, 0]
     shifted = logits.sub_(maximum)                                                             # dB
     reference_shifted = reference_logits.sub_(reference_maximum)                               # dA
     exp_sum = shifted.exp().sum(-1, dtype=torch.float64)                                       # S_B
