@@ -50,7 +50,17 @@ def fastppl_run(args, reference: bool) -> dict:
     peak = result["peak_memory_bytes"] or result["peak_host_memory_bytes"]
     return {"tokens": result["tokens_scored"], "tokens_per_second": result["tokens_per_second"],
             "peak_bytes": peak, "kld_mean": divergence.get("kld_mean"), "stored_bytes": 0,
-            "batch_size": result["batch_size"]}
+            "batch_size": result["batch_size"], "weights_bytes": (2 if reference else 1) * weights_bytes(args)}
+
+
+def weights_bytes(args) -> int:
+    """Bytes of one model's weights in the run's dtype (built on the meta device: no memory, no time)."""
+    from fastppl.models.gpt2 import GPT2, PRESETS
+    from fastppl.models.llama import Llama, PRESETS as LLAMA_PRESETS
+    with torch.device("meta"):
+        model = GPT2(PRESETS[args.model]) if args.model in PRESETS else Llama(LLAMA_PRESETS[args.model])
+    itemsize = resolve_dtype(args.dtype, resolve_device(args.device)).itemsize
+    return sum(p.numel() for p in model.parameters()) * itemsize
 
 
 def _log_probabilities(model, input_ids: torch.Tensor, score_mask: torch.Tensor) -> torch.Tensor:
@@ -96,7 +106,8 @@ def peer_run(args, batch_size: int) -> dict:
         synchronize(device)
     seconds = first_run_seconds + time.perf_counter() - started_second    # both runs, the model's load aside
     return {"tokens": plan.n_scored, "tokens_per_second": plan.n_scored / seconds, "peak_bytes": peak_bytes(device),
-            "kld_mean": kld_sum / plan.n_scored, "stored_bytes": stored_bytes, "batch_size": batch_size}
+            "kld_mean": kld_sum / plan.n_scored, "stored_bytes": stored_bytes, "batch_size": batch_size,
+            "weights_bytes": weights_bytes(args)}
 
 
 def _gib(n) -> str:
@@ -104,13 +115,18 @@ def _gib(n) -> str:
 
 
 def table(rows: dict[str, dict], single: dict) -> str:
-    lines = ["| variant | tokens | tokens/s | x single-model eval | peak GiB | mean KLD | stored GiB | batch |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    """above weights: the peak less the weights resident in the run (both models' in the one pass, one model's in
+    each of the peer's runs); its ratio to the single-model run's is the memory a divergence adds."""
+    lines = ["| variant | tokens | tokens/s | x single-model eval | peak GiB | above weights GiB | above weights x "
+             "single-model eval | mean KLD | stored GiB | batch |", "| --- " * 10 + "|"]
     for name, r in rows.items():
         kld = "" if r["kld_mean"] is None else f"{r['kld_mean']:.6g}"
+        above = None if r["peak_bytes"] is None else r["peak_bytes"] - r["weights_bytes"]
+        single_above = None if single["peak_bytes"] is None else single["peak_bytes"] - single["weights_bytes"]
+        ratio = "n/a" if above is None or not single_above else f"{above / single_above:.3f}"
         lines.append(f"| {name} | {r['tokens']:,} | {r['tokens_per_second']:,.0f} | "
-                     f"{r['tokens_per_second'] / single['tokens_per_second']:.3f} | {_gib(r['peak_bytes'])} | {kld} | "
-                     f"{_gib(r['stored_bytes'])} | {r['batch_size']} |")
+                     f"{r['tokens_per_second'] / single['tokens_per_second']:.3f} | {_gib(r['peak_bytes'])} | "
+                     f"{_gib(above)} | {ratio} | {kld} | {_gib(r['stored_bytes'])} | {r['batch_size']} |")
     return "\n".join(lines)
 
 

@@ -357,14 +357,17 @@ def test_the_benchmark_runs_tiny_on_the_cpu(tmp_path, tokenizer_dir, text_path):
                           env={**__import__("os").environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
-            for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line}
+    lines = [[cell.strip() for cell in line.split("|")[1:-1]] for line in done.stdout.splitlines()
+             if line.startswith("| ") and "---" not in line]
+    header, rows = lines[0], {cells[0]: dict(zip(lines[0], cells)) for cells in lines[1:]}
+    assert header[:4] == ["variant", "tokens", "tokens/s", "x single-model eval"]
     single, together, peer = (rows[name] for name in ("fastppl eval (model alone)", "fastppl eval --reference-model",
                                                       "stored logits (two runs, fp16 on disk)"))
-    assert single[0] == together[0] == peer[0]                              # the same tokens scored
-    assert float(peer[4]) == pytest.approx(float(together[4]), rel=1e-3)   # fp16 log-probabilities: 3 digits
-    n_tokens = int(peer[0].replace(",", ""))
-    assert float(peer[5]) == pytest.approx(n_tokens * 50257 * 2 / 2**30, abs=0.006)
+    assert single["tokens"] == together["tokens"] == peer["tokens"]                 # the same tokens scored
+    # fp16 log-probabilities: 3 digits
+    assert float(peer["mean KLD"]) == pytest.approx(float(together["mean KLD"]), rel=1e-3)
+    n_tokens = int(peer["tokens"].replace(",", ""))
+    assert float(peer["stored GiB"]) == pytest.approx(n_tokens * 50257 * 2 / 2**30, abs=0.006)
     assert not list(tmp_path.iterdir())                                     # the peer's file removed
 
 
