@@ -89,19 +89,28 @@ def make_divergence_score_fn(model: nn.Module, reference: nn.Module, chunk_rows:
     chunk_rows = max(1, min(chunk_rows, CHUNK_LOGITS // model.lm_head.weight.shape[0]))
 
     def score(input_ids: torch.Tensor, targets: torch.Tensor, score_mask: torch.Tensor,
-              position_ids: Optional[torch.Tensor] = None, document_ids: Optional[DocumentIds] = None) -> torch.Tensor:
+              position_ids: Optional[torch.Tensor] = None, document_ids: Optional[DocumentIds] = None,
+              scored_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         B, T = input_ids.shape
         packed = () if document_ids is None else (position_ids, document_ids)
-        hidden = model(input_ids, *packed)                                                    # (B, T, C)
+        hidden = model(input_ids, *packed).reshape(B * T, -1)                                 # (B * T, C)
         if reference_device == device:
             reference_hidden = reference(input_ids, *packed)                                  # (B, T, C')
         else:
             reference_hidden = reference(*_moved((input_ids, *packed), reference_device)).to(device)
+        reference_hidden, targets = reference_hidden.reshape(B * T, -1), targets.reshape(B * T)
+        if scored_rows is None:
+            values = chunked_divergence(hidden, model.lm_head.weight, reference_hidden, reference_weight, targets,
+                                        bias, reference_bias, chunk_rows, kernel)             # (B * T, 5)
+            return torch.where(score_mask[..., None], values.view(B, T, len(COLUMNS)), 0.0)
+        # the vocabulary products on the scored rows only: a sliding window's context and padding rows skip them
         values = chunked_divergence(
-            hidden.reshape(B * T, -1), model.lm_head.weight, reference_hidden.reshape(B * T, -1), reference_weight,
-            targets.reshape(B * T), bias, reference_bias, chunk_rows, kernel)                 # (B * T, 5)
-        return torch.where(score_mask[..., None], values.view(B, T, len(COLUMNS)), 0.0)
+            hidden.index_select(0, scored_rows), model.lm_head.weight, reference_hidden.index_select(0, scored_rows),
+            reference_weight, targets.index_select(0, scored_rows), bias, reference_bias, chunk_rows, kernel)
+        return values.new_zeros(B * T, len(COLUMNS)).index_copy_(0, scored_rows, values).view(B, T, len(COLUMNS))
 
+    # the scoring loop passes scored_rows= (fastppl.engine.score.scored_rows_of); a compiled scorer takes none
+    score.gathers_scored_rows = True
     return score
 
 
