@@ -29,8 +29,7 @@ def check_reference_options(config: EvalConfig, distributed: bool) -> None:
                 raise FastpplError(f"{flag} applies with --reference-model only; add --reference-model or drop it")
         return
     if config.reference_device is not None and distributed:
-        raise FastpplError("--reference-device runs in one process only (each rank has one GPU); drop it or run "
-                           "without --nproc / torchrun")
+        raise FastpplError("--reference-device runs in one process only; drop it or run without --nproc / torchrun")
     if not config.reference_model.strip():
         raise FastpplError("--reference-model is empty; give a checkpoint directory, a hub id or random:<preset>")
     refused = {"--loss fused": config.loss == "fused", "--kv-cache on": config.kv_cache == "on",

@@ -194,7 +194,8 @@ def _check_and_relaunch(args: argparse.Namespace) -> int:
     """--nproc N: a bad option, output path or --data path fails here, once, not in every rank under torchrun's
     traceback; then the command runs again under torchrun."""
     config_from_args(args)
-    for flag, given in (("--resume", args.resume is not None), ("--kv-cache on", args.kv_cache == "on")):
+    for flag, given in (("--resume", args.resume is not None), ("--kv-cache on", args.kv_cache == "on"),
+                        ("--reference-device", args.reference_device is not None)):
         if given:   # each rank would refuse it (pipeline.check_run_options), after starting torchrun
             raise FastpplError(f"{flag} runs in one process only; drop it or run without --nproc / torchrun")
     check_outputs(args)
