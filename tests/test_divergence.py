@@ -277,6 +277,16 @@ def test_command_writes_columns_json_summary_and_figure(tmp_path, tokenizer_dir,
     assert out["kld.png"].read_bytes()[:4] == b"\x89PNG"
 
 
+def test_nproc_refuses_a_reference_device_before_starting_torchrun(tmp_path, tokenizer_dir, text_path, capsys,
+                                                                    monkeypatch):
+    import fastppl.distributed as distributed
+    monkeypatch.setattr(distributed, "relaunch_under_torchrun", lambda *a: pytest.fail("torchrun was started"))
+    assert _cli(tokenizer_dir, text_path, "--reference-model", "random:gpt2-tiny", "--reference-device", "cpu",
+                "--nproc", "2") == 2
+    assert capsys.readouterr().err == ("fastppl: error: --reference-device runs in one process only; drop it or run "
+                                       "without --nproc / torchrun\n")
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--reference-model", "random:llama-tiny"],
      "--reference-model random:llama-tiny has a vocabulary of 50,304 ids but --model random:gpt2-tiny has 50,257; "
@@ -296,16 +306,6 @@ def test_command_writes_columns_json_summary_and_figure(tmp_path, tokenizer_dir,
      "--resume does not work with --reference-model (both models' divergence runs its own chunked kernel over "
      "every position); drop --resume"),
 ])
-def test_nproc_refuses_a_reference_device_before_starting_torchrun(tmp_path, tokenizer_dir, text_path, capsys,
-                                                                    monkeypatch):
-    import fastppl.distributed as distributed
-    monkeypatch.setattr(distributed, "relaunch_under_torchrun", lambda *a: pytest.fail("torchrun was started"))
-    assert _cli(tokenizer_dir, text_path, "--reference-model", "random:gpt2-tiny", "--reference-device", "cpu",
-                "--nproc", "2") == 2
-    assert capsys.readouterr().err == ("fastppl: error: --reference-device runs in one process only; drop it or run "
-                                       "without --nproc / torchrun\n")
-
-
 def test_refusals_are_one_line(tmp_path, tokenizer_dir, text_path, capsys, monkeypatch, extra, message):
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "r.json"
