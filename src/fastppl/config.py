@@ -68,6 +68,9 @@ class EvalConfig:
     resume: Optional[str] = None        # checkpoint directory of a resumable run, see fastppl.resume
     checkpoint_seconds: float = 60.0    # with resume: save at least this often ...
     checkpoint_batches: Optional[int] = None   # ... and every this many batches
+    reference_model: Optional[str] = None   # divergence of --model from this one, see fastppl.reference
+    reference_seed: Optional[int] = None    # seeds a random:<preset> reference; None = seed
+    reference_device: Optional[str] = None  # where the reference runs; None = device
 
     def __post_init__(self) -> None:
         if self.protocol is not None:

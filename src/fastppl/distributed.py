@@ -284,11 +284,13 @@ class Distributed:
             tensor = getattr(sums, name)
             tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
             offset += tensor.numel()
-        if sums.per_token is not None:
+        for per_token in (sums.per_token, sums.divergence):
+            if per_token is None:
+                continue
             # each slot is scored by exactly one rank: NaN (unscored here) reads as +inf, MIN keeps the score
-            merged = torch.where(torch.isnan(sums.per_token), float("inf"), sums.per_token)
+            merged = torch.where(torch.isnan(per_token), float("inf"), per_token)
             dist.all_reduce(merged, op=dist.ReduceOp.MIN)
-            sums.per_token.copy_(torch.where(torch.isinf(merged), float("nan"), merged))
+            per_token.copy_(torch.where(torch.isinf(merged), float("nan"), merged))
         assert round(float(sums.position_count.sum())) == n_scored, "the ranks' shares do not cover every window once"
 
 

@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 
 from . import __version__
-from .accel.apply import (Acceleration, apply_fusions, choose_acceleration, choose_tuning, score_fn_for,
-                          tuned_products)
+from .accel.apply import (Acceleration, apply_fusions, choose_acceleration, choose_tuning,
+                          divergence_score_fn_for, score_fn_for, tuned_products)
 from .accel.batch_size import auto_batch_size, balanced_batch_size, scoring_memory_bound
 from .accel.compile import allow_shapes, compile_score_fn
 from .accel.warm_up import start_cuda_warm_up
@@ -34,6 +34,7 @@ from .engine.score import DeviceSums, ScoreFn, score_batches, score_plans
 from .errors import FastpplError
 from .models import load_model
 from .models.loading import position_limit_note
+from .reference import add_divergence, check_reference_fits, check_reference_options, load_reference
 from .report.progress import Progress
 from .report.protocol_card import protocol_card
 from .report.result import Scored, assemble_result
@@ -72,6 +73,7 @@ def evaluate(config: EvalConfig) -> dict:
     dist = init_distributed(config.device)
     device = dist.device if dist else resolve_device(config.device)
     run = Run(config, device, resolve_dtype(config.dtype, device), dist, started)
+    check_reference_options(config, dist is not None)
     # overlaps the CUDA context's creation and Triton's first use with reading corpus, tokenizer and weights
     warm_ups = start_cuda_warm_up(device) if not dist else []
     documents, protocol, datasets_read = read_corpus(config)
@@ -79,8 +81,10 @@ def evaluate(config: EvalConfig) -> dict:
     tokenizer = load_tokenizer(config.tokenizer or default_tokenizer_name(config.model))
     run.stage_done("load_tokenizer")
     model = load_model(config.model, config.backend, run.dtype, config.seed, device)
+    reference = load_reference(config, run.dtype, device, model)   # None unless --reference-model
     run.stage_done("load_model")
     ctx = check_model_fits(config, tokenizer, model)
+    check_reference_fits(config, reference, ctx)
     use_kv_cache, kv_cache_reason = choose_kv_cache(config.kv_cache, config.window, model)
     check_run_options(config, dist, use_kv_cache)   # before any work: after the batch-size probe they came late
     documents, tokens = tokenize(documents, tokenizer, model)
@@ -89,8 +93,8 @@ def evaluate(config: EvalConfig) -> dict:
     corpus_digest = corpus_sha256(documents)   # the report's, and the resume fingerprint's
     run.stage_started = time.perf_counter()    # planning is no stage of its own: "prepare" starts here
     if dist:   # ranks that read other inputs would sum to a wrong result without a word
-        dist.check_same_inputs(inputs_by_part(run, documents, corpus_digest, tokenizer, model, plan, ctx))
-    model, acceleration, score_fn = accelerate(run, model, plan)
+        dist.check_same_inputs(inputs_by_part(run, documents, corpus_digest, tokenizer, model, plan, ctx, reference))
+    model, acceleration, score_fn = accelerate(run, model, plan, reference)
     run.stage_done("prepare")
     for thread in warm_ups:
         thread.join()   # before the first kernel (accel/warm_up.start_cuda_warm_up says why)
@@ -106,7 +110,7 @@ def evaluate(config: EvalConfig) -> dict:
                              world_size=dist.world_size if dist else None)
     result["protocol"] = protocol_card(config, protocol, plan, tokenizer, ctx, datasets_read, result,
                                        float(scored.sums.position_nll_sq_sum.sum().item()))
-    return result
+    return result if reference is None else add_divergence(result, config, scored.sums)
 
 
 def read_corpus(config: EvalConfig) -> tuple[list[Document], Optional[Protocol], list[dict]]:
@@ -154,14 +158,17 @@ def check_run_options(config: EvalConfig, dist: Optional[Distributed], use_kv_ca
 
 
 # arguments that may differ between ranks: paths, whose contents are compared instead, and what rank 0 alone writes
-RANK_LOCAL_ARGUMENTS = ("model", "tokenizer", "data", "data_dir", "per_token") + NOT_IN_FINGERPRINT
+RANK_LOCAL_ARGUMENTS = ("model", "reference_model", "tokenizer", "data", "data_dir", "per_token") + NOT_IN_FINGERPRINT
 
 
 def inputs_by_part(run: Run, documents: list[Document], corpus_digest: str, tokenizer: Tokenizer,
-                   model: nn.Module, plan: WindowPlan, ctx: int) -> dict[str, str]:
+                   model: nn.Module, plan: WindowPlan, ctx: int,
+                   reference: Optional[nn.Module] = None) -> dict[str, str]:
     """What every rank of a job must share, as {what: value or digest} (Distributed.check_same_inputs)."""
     arguments = {f"--{name.replace('_', '-')}": json.dumps(value, sort_keys=True)
                  for name, value in run.config.to_dict().items() if name not in RANK_LOCAL_ARGUMENTS}
+    if reference is not None:
+        arguments["reference model weights"] = weights_digest(reference)
     return {**arguments, "--per-token": str(bool(run.config.per_token)), "corpus": corpus_digest,
             "document ids": document_ids_sha256(documents), "tokenizer": tokenizer.fingerprint,
             "model weights": weights_digest(model), "dtype": str(run.dtype),
@@ -180,14 +187,21 @@ def tokenize(documents: list[Document], tokenizer: Tokenizer,
     return documents, tokens
 
 
-def accelerate(run: Run, model: nn.Module, plan: WindowPlan) -> tuple[nn.Module, Acceleration, ScoreFn]:
-    """The model on its device with the run's performance transforms (fastppl.accel.apply), and its scorer."""
+def accelerate(run: Run, model: nn.Module, plan: WindowPlan,
+               reference: Optional[nn.Module] = None) -> tuple[nn.Module, Acceleration, ScoreFn]:
+    """The model on its device with the run's performance transforms (fastppl.accel.apply), and its scorer (of
+    both models' divergence with a reference model)."""
     model = model.to(run.device)
     acceleration = choose_acceleration(
-        model, run.device, run.dtype, loss=run.config.loss, compile=run.config.compile,
+        model, run.device, run.dtype, loss="chunked" if reference is not None else run.config.loss,
+        compile=run.config.compile,
         batching=run.config.batching, n_scored=plan.n_scored, n_positions=plan.n_positions,
         n_documents=len(plan.scored_documents))
     acceleration = apply_fusions(model, run.device, acceleration)
+    if reference is not None:
+        acceleration, score_fn = divergence_score_fn_for(model, reference, acceleration, run.config.batching,
+                                                         run.config.loss_chunk_rows)
+        return model, acceleration, score_fn
     return model, acceleration, score_fn_for(model, acceleration, run.config.loss_chunk_rows)
 
 
@@ -202,7 +216,8 @@ def choose_batches(run: Run, model: nn.Module, plan: WindowPlan, acceleration: A
     probe_sums = DeviceSums.zeros(ctx, run.device)
     longest = [refs[int(np.argmax(plan.window_lengths))]]   # every rank probes with the same window
     # rows of ctx positions: a padded or packed row is ctx long, and a bucket's rows hold as many positions
-    bound = scoring_memory_bound(model, ctx, run.dtype.itemsize, acceleration.loss, config.loss_chunk_rows)
+    bound = scoring_memory_bound(model, ctx, run.dtype.itemsize, acceleration.loss, config.loss_chunk_rows) \
+        if not config.reference_model else None   # the bound is of one model: two models' scorer is probed
     size, reason = auto_batch_size(
         lambda rows: score_batches(score_fn, [make_batch(longest * rows, plan.stream_ids, plan.target_offsets,
                                                          rows, ctx)], probe_sums, run.device),
@@ -247,7 +262,8 @@ def score(run: Run, model: nn.Module, plan: WindowPlan, acceleration: Accelerati
     plans_here = shard_plans(batches.plans, dist.rank, dist.world_size) if dist else batches.plans
     # per-token NLL for --per-token, and for a bootstrap over the windows of a single document
     keep_tokens = config.per_token or needs_token_sums(config.bootstrap, plan)
-    sums = DeviceSums.zeros(ctx, device, plan.n_tokens if keep_tokens else None, len(plan.streams))
+    sums = DeviceSums.zeros(ctx, device, plan.n_tokens if keep_tokens else None, len(plan.streams),
+                            plan.n_tokens if config.reference_model else None)
     checkpointer, start_batch = None, 0
     if fingerprint is not None:
         checkpointer = Checkpointer(config.resume, fingerprint, batches.plans, len(plan.refs),

@@ -16,6 +16,7 @@ import torch.nn as nn
 from ..data.packing import resolve_batching
 from ..engine.loss import resolve_loss
 from ..engine.score import ScoreFn, make_score_fn
+from ..errors import FastpplError
 from ..models.attention import varlen_available
 from . import cublaslt, linear
 from .compile import compile_score_fn, model_family, use_compile
@@ -109,3 +110,28 @@ def tuned_products(model: nn.Module, tuning: cublaslt.TuningChoice) -> Iterator[
     finally:
         linear.stop_tuning()
         linear.unroute_linears(model)
+
+
+def divergence_score_fn_for(model: nn.Module, reference: nn.Module, acceleration: Acceleration,
+                            batching_setting: str, chunk_rows: int = 8192) -> tuple[Acceleration, ScoreFn]:
+    """With --reference-model: the reference gets the model's fusions, the batching one both forwards take, and
+    the scorer of both models' divergence (fastppl.engine.divergence): compiled when the run compiles (Inductor
+    fuses the torch formula), else with the Triton kernel where CUDA and Triton are (it reads the logits once
+    more instead of a dozen times, in the model's dtype)."""
+    from ..engine.divergence import make_divergence_score_fn
+    from ..engine.loss import fused_loss_available
+    device = next(reference.parameters()).device
+    reference_fusions = apply_fusions(reference, device, acceleration)
+    model_device = next(model.parameters()).device   # where the divergence is computed
+    kernel = "triton" if not acceleration.compiled and fused_loss_available(model_device) else "torch"
+    acceleration = dataclasses.replace(acceleration, loss=f"chunked projection, divergence in {kernel}")
+    if acceleration.batching == "packed" and not takes_document_ids(reference):
+        if batching_setting == "packed":
+            raise FastpplError("--batching packed needs both models' forwards to take document_ids (the native "
+                               "backend); use --batching bucketed with this --reference-model")
+        acceleration = dataclasses.replace(acceleration, batching="bucketed", batching_reason=(
+            "bucketed (auto: the reference model cannot keep packed documents apart)"))
+    if reference_fusions.mlp_epilogue != acceleration.mlp_epilogue:   # a report line for the model under test
+        acceleration = dataclasses.replace(acceleration, mlp_epilogue=acceleration.mlp_epilogue + " (model only)")
+    score_fn = make_divergence_score_fn(model, reference, chunk_rows, kernel)
+    return acceleration, compile_score_fn(score_fn) if acceleration.compiled else score_fn

@@ -45,6 +45,13 @@ def _add_input_arguments(p) -> None:
                                       "$FASTPPL_DATA_DIR if set, else fastppl's cache, downloaded into on first use)")
     p.add_argument("--errors", default="strict", choices=["strict", "replace"],
                    help="undecodable UTF-8 bytes: strict = an error, replace = U+FFFD (default: %(default)s)")
+    p.add_argument("--reference-model", metavar="MODEL",
+                   help="also run this model (same tokenizer and vocabulary) on the same tokens and report the "
+                        "divergence of --model from it: KL divergence, same top-1 rate, delta p, perplexity ratio "
+                        "(see docs/divergence.md) (default: none)")
+    p.add_argument("--reference-seed", type=seed, help="seed of a random:PRESET reference (default: --seed)")
+    p.add_argument("--reference-device", help="where the reference model runs, e.g. cuda:1 beside --device cuda:0 "
+                                              "(default: --device)")
 
 
 def _add_scoring_arguments(p) -> None:
@@ -100,12 +107,13 @@ def _add_scoring_arguments(p) -> None:
 
 def _add_output_arguments(p) -> None:
     p.add_argument("--json", help="write the full report here (default: not written)")
-    p.add_argument("--per-token", help="write per-token NLL here (.npy float32, NaN where unscored) (default: not "
-                                       "written)")
+    p.add_argument("--per-token", help="write per-token NLL here (.npy float32, NaN where unscored; with "
+                                       "--reference-model one row per token of columns nll, reference_nll, kld, "
+                                       "same_top1, delta_p) (default: not written)")
     p.add_argument("--per-doc", help="write one JSON line per scored document here (id, tokens, bytes, words, "
                                      "nll_sum) (default: not written)")
-    p.add_argument("--plot", help="draw the loss by window position here (.png, .svg or .pdf; needs matplotlib) "
-                                  "(default: not drawn)")
+    p.add_argument("--plot", help="draw the loss by window position here (.png, .svg or .pdf; needs matplotlib); "
+                                  "with --reference-model the KLD histogram and KLD by position (default: not drawn)")
     p.add_argument("--bootstrap", type=at_least(0), default=0, metavar="N",
                    help=f"a 95%% interval of nll, perplexity and bits per byte from N resamples (at least "
                         f"{MIN_BOOTSTRAP}) of the documents, or of the windows of a single document (default: 0: none)")
@@ -122,6 +130,10 @@ def _add_output_arguments(p) -> None:
 
 def config_from_args(args: argparse.Namespace):
     check_model_given(args.model, args.tokenizer)
+    if args.reference_model is not None:
+        if not args.reference_model.strip():
+            raise FastpplError("--reference-model is empty; give a checkpoint directory, a hub id or random:<preset>")
+        check_model_given(args.reference_model, None)
     if args.resume is not None and not args.resume.strip():   # else it would read as no --resume, silently
         raise FastpplError("--resume: empty path; give a directory for the checkpoint or leave --resume out")
     if args.resume is None and (args.checkpoint_seconds is not None or args.checkpoint_batches is not None):
@@ -147,7 +159,8 @@ def config_from_args(args: argparse.Namespace):
         seed=args.seed, per_token=args.per_token, quiet=args.quiet,
         batching=args.batching, per_doc=args.per_doc, resume=args.resume,
         checkpoint_seconds=60.0 if args.checkpoint_seconds is None else args.checkpoint_seconds,
-        checkpoint_batches=args.checkpoint_batches,
+        checkpoint_batches=args.checkpoint_batches, reference_model=args.reference_model,
+        reference_seed=args.reference_seed, reference_device=args.reference_device,
     )
 
 
@@ -155,7 +168,8 @@ def check_outputs(args: argparse.Namespace) -> None:
     from ..report.files import check_distinct_outputs, check_writable, files_in
     outputs = {"--json": args.json, "--per-token": args.per_token, "--per-doc": args.per_doc, "--plot": args.plot}
     # the corpus, and the files the model, tokenizer and built-in corpora are read from
-    inputs = [*args.data, *files_in(args.model), *files_in(args.tokenizer), *files_in(args.data_dir)]
+    inputs = [*args.data, *files_in(args.model), *files_in(args.tokenizer), *files_in(args.data_dir),
+              *files_in(args.reference_model)]
     check_distinct_outputs(outputs, inputs=inputs, output_dirs={"--resume": args.resume})
     for flag, path in outputs.items():
         if path and flag != "--plot":
@@ -193,7 +207,10 @@ def run_eval(args: argparse.Namespace) -> int:
             write_jsonl(args.per_doc, per_doc)
         if args.json:
             write_json(args.json, result)
-        if args.plot:
+        if args.plot and "divergence" in result:
+            from ..report.divergence import write_divergence_plot
+            write_divergence_plot(args.plot, result)
+        elif args.plot:
             from ..report.plot import write_loss_by_position
             write_loss_by_position(args.plot, result)
     print(summary(result))
@@ -204,7 +221,8 @@ def _check_and_relaunch(args: argparse.Namespace) -> int:
     """--nproc N: a bad option, output path or --data path fails here, once, not in every rank under torchrun's
     traceback; then the command runs again under torchrun."""
     config_from_args(args)
-    for flag, given in (("--resume", args.resume is not None), ("--kv-cache on", args.kv_cache == "on")):
+    for flag, given in (("--resume", args.resume is not None), ("--kv-cache on", args.kv_cache == "on"),
+                        ("--reference-device", args.reference_device is not None)):
         if given:   # each rank would refuse it (pipeline.check_run_options), after starting torchrun
             raise FastpplError(f"{flag} runs in one process only; drop it or run without --nproc / torchrun")
     check_outputs(args)

@@ -15,6 +15,7 @@ import torch.nn as nn
 from ..data.batching import Batch
 from ..errors import is_out_of_memory
 from ..models.attention import DocumentIds, DocumentSpans
+from .divergence import COLUMNS as DIVERGENCE_COLUMNS, KLD_COLUMN
 from .loss import token_nll_fn
 
 # (input_ids, targets, score_mask[, position_ids, document_ids][, scored_rows=]) -> (B, T) NLL
@@ -82,17 +83,28 @@ class DeviceSums:
     position_nll_sq_sum: torch.Tensor          # (T,) float64: sum of squared NLL, for the spread by position
     per_token: Optional[torch.Tensor] = None   # (n_tokens + 1,) fp32, NaN where unscored; last slot is a sink
     per_document: Optional[torch.Tensor] = None  # (n_documents + 1,) float64 NLL sums; last slot is a sink
+    # with a reference model (fastppl.engine.divergence): each token's COLUMNS, NaN where unscored, last row a
+    # sink; and the KL divergence summed by position inside the window
+    divergence: Optional[torch.Tensor] = None        # (n_tokens + 1, 5) fp32
+    position_kld_sum: Optional[torch.Tensor] = None  # (T,) float64
 
     @classmethod
     def zeros(
         cls, seq_len: int, device: torch.device, n_tokens: Optional[int] = None, n_documents: Optional[int] = None,
+        divergence_tokens: Optional[int] = None,
     ) -> "DeviceSums":
         per_token = None
         if n_tokens is not None:
             per_token = torch.full((n_tokens + 1,), float("nan"), dtype=torch.float32, device=device)
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.float64, device=device)  # noqa: E731
         per_document = zeros(n_documents + 1) if n_documents is not None else None
-        return cls(zeros(), zeros(seq_len), zeros(seq_len), zeros(seq_len), per_token, per_document)
+        divergence = position_kld_sum = None
+        if divergence_tokens is not None:
+            divergence = torch.full((divergence_tokens + 1, len(DIVERGENCE_COLUMNS)), float("nan"),
+                                    dtype=torch.float32, device=device)
+            position_kld_sum = zeros(seq_len)
+        return cls(zeros(), zeros(seq_len), zeros(seq_len), zeros(seq_len), per_token, per_document, divergence,
+                   position_kld_sum)
 
 
 def to_device(array, device: torch.device) -> Optional[torch.Tensor]:
@@ -111,7 +123,13 @@ def accumulate(
 ) -> None:
     """Add one batch's (B, T) fp32 NLL (0 where unscored) to every running sum, on the device. Everything
     that allocates (copies, casts, index tensors) happens before the first sum is touched, so an
-    out-of-memory error in here leaves the sums as they were and the batch can be scored again."""
+    out-of-memory error in here leaves the sums as they were and the batch can be scored again.
+    A divergence scorer's (B, T, 5) columns (fastppl.engine.divergence) give the NLL sums their column 0."""
+    divergence = None
+    if nll.dim() == 3:   # the probe of --batch-size auto keeps no divergence
+        if sums.divergence is not None and token_index is not None:
+            divergence = nll.reshape(-1, nll.shape[-1])                 # (B * T, 5)
+        nll = nll[..., 0].contiguous()                                  # (B, T)
     flat_nll = nll.view(-1).double()                                    # (B * T,) for the scatter-adds
     flat_sq = flat_nll * flat_nll                                       # fp32 squared: exact in float64
     total = nll.sum(dtype=torch.float64)
@@ -126,10 +144,14 @@ def accumulate(
     if sums.per_document is not None and target_document is not None:
         document = to_device(target_document, device).view(-1)
         document = torch.where(document >= 0, document, sums.per_document.shape[0] - 1)   # unscored: the sink
-    if sums.per_token is not None and token_index is not None:
+    if (sums.per_token is not None or sums.divergence is not None) and token_index is not None:
         token = to_device(token_index, device).view(-1)
-        token = torch.where(token >= 0, token, sums.per_token.shape[0] - 1)
+        per_token_rows = sums.per_token if sums.per_token is not None else sums.divergence
+        token = torch.where(token >= 0, token, per_token_rows.shape[0] - 1)   # unscored: the sink
         token_nll = nll.reshape(-1)
+    if divergence is not None:
+        kld = divergence[:, KLD_COLUMN].double()                              # (B * T,)
+        kld_by_position = kld.view_as(nll).sum(dim=0) if position_ids is None else kld
 
     sums.nll_sum += total
     if position_ids is None:
@@ -142,8 +164,14 @@ def accumulate(
         sums.position_nll_sq_sum.index_add_(0, positions, flat_sq)
     if document is not None:
         sums.per_document.index_add_(0, document, flat_nll)   # a scatter-add on the device, no host sync
-    if token is not None:
+    if token is not None and sums.per_token is not None:
         sums.per_token.index_copy_(0, token, token_nll)
+    if divergence is not None:
+        sums.divergence.index_copy_(0, token, divergence)   # per_token and divergence have the same sink row
+        if position_ids is None:
+            sums.position_kld_sum[:T] += kld_by_position
+        else:
+            sums.position_kld_sum.index_add_(0, positions, kld_by_position)
 
 
 @torch.inference_mode()

@@ -53,6 +53,9 @@ def summary(result: dict) -> str:
                      f"({without / max(run, 1):.1f}x fewer)")
     if result.get("groups"):
         lines.append(groups_table(result["groups"]))
+    if result.get("divergence"):
+        from .divergence import divergence_lines
+        lines += divergence_lines(result["divergence"])
     return "\n".join(lines)
 
 

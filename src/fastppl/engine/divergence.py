@@ -1,0 +1,120 @@
+"""Two models on the same tokens: per scored token, the NLL of each, KL(reference ‖ model), whether their top-1
+tokens agree and Δp, computed in fp32 from the two models' final hidden states a chunk of rows at a time, so
+that at most two (chunk_rows, V) fp32 logit tensors exist at once, never (B, T, V)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..models.attention import DocumentIds, DocumentSpans
+
+# the columns of a divergence scorer's (B, T, 5) output, of DeviceSums.divergence and of --per-token's array
+COLUMNS = ("nll", "reference_nll", "kld", "same_top1", "delta_p")
+KLD_COLUMN = COLUMNS.index("kld")
+# at most this many logits of each model at once (the rows of a chunk: --loss-chunk-rows or fewer): 128 MiB of
+# bf16 logits a model, so that the divergence adds little to one forward pass' activations (GPT-2: 1,335 rows)
+CHUNK_LOGITS = 2 ** 26
+
+
+def chunked_divergence(
+    hidden: torch.Tensor,              # (N, C) final hidden states of the model under test (B)
+    weight: torch.Tensor,              # (V, C) its output projection
+    reference_hidden: torch.Tensor,    # (N, C') the reference model's (A)
+    reference_weight: torch.Tensor,    # (V, C')
+    targets: torch.Tensor,             # (N,) int64
+    bias: Optional[torch.Tensor] = None, reference_bias: Optional[torch.Tensor] = None,
+    chunk_rows: int = 8192, kernel: str = "torch",
+) -> torch.Tensor:
+    """(N, 5) fp32, the COLUMNS: -ln p_B(target), -ln p_A(target), KL(A ‖ B) = Σ_v p_A(v) (ln p_A(v) - ln p_B(v)),
+    1.0 where argmax p_A = argmax p_B (the lowest id on a tie, as torch.argmax picks), p_B(target) - p_A(target).
+    Identical logits give a KL of exactly 0: each term is p_A(v) times a difference of equal numbers.
+    kernel: "torch" (any device; the logits upcast to fp32), or "triton" (fastppl.engine.divergence_kernel: CUDA,
+    or Triton's interpreter; it reads the logits in the model's dtype)."""
+    pieces = []
+    for begin in range(0, hidden.shape[0], chunk_rows):
+        rows = slice(begin, begin + chunk_rows)
+        logits = F.linear(hidden[rows], weight, bias)                                            # (c, V)
+        reference_logits = F.linear(reference_hidden[rows], reference_weight, reference_bias)    # (c, V)
+        if kernel == "triton":
+            from .divergence_kernel import divergence_of_logits_triton
+            pieces.append(divergence_of_logits_triton(logits, reference_logits, targets[rows]))
+        else:
+            pieces.append(_divergence_of_logits(logits.float(), reference_logits.float(), targets[rows]))
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def _divergence_of_logits(logits: torch.Tensor, reference_logits: torch.Tensor,
+                          targets: torch.Tensor) -> torch.Tensor:
+    """The COLUMNS of one chunk; both (c, V) fp32 logit tensors are overwritten (in place: at most one more
+    (c, V) tensor exists at a time).
+
+    Written for fp32's rounding, with d = logit - max logit of the row and S = Σ_v exp(d_v):
+        ln p(v) = d_v - ln S,   KL(A ‖ B) = Σ_v exp(dA_v) (dA_v - dB_v) / S_A + ln(S_B / S_A)
+    The sums over the vocabulary are float64, and no ln S (about ln V) is subtracted from another: the tokens
+    that carry the probability have d near 0, where fp32 is finest. Against a float64 softmax of the same
+    logits the KL is within about 1e-7 relative (a plain fp32 log-softmax: 1e-5)."""
+    same_top1 = (logits.argmax(-1) == reference_logits.argmax(-1)).float()                     # (c,)
+    maximum, reference_maximum = logits.amax(-1, keepdim=True), reference_logits.amax(-1, keepdim=True)
+    # the targets' d in float64, exact: a low-probability target's d rounded to fp32 would be off by its ulp
+    target_shifted = (logits.gather(1, targets[:, None]).double() - maximum.double())[:, 0]
+    reference_target_shifted = (reference_logits.gather(1, targets[:, None]).double()
+                                - reference_maximum.double())[:, 0]
+    shifted = logits.sub_(maximum)                                                             # dB
+    reference_shifted = reference_logits.sub_(reference_maximum)                               # dA
+    exp_sum = shifted.exp().sum(-1, dtype=torch.float64)                                       # S_B
+    log_ratio = shifted.sub_(reference_shifted).neg_()                                         # dA - dB
+    reference_exp = reference_shifted.exp_()                                                   # exp(dA)
+    reference_exp_sum = reference_exp.sum(-1, dtype=torch.float64)                             # S_A
+    cross = log_ratio.mul_(reference_exp).sum(-1, dtype=torch.float64)
+    kld = cross / reference_exp_sum + torch.log(exp_sum / reference_exp_sum)
+    nll = torch.log(exp_sum) - target_shifted
+    reference_nll = torch.log(reference_exp_sum) - reference_target_shifted
+    delta_p = torch.exp(target_shifted) / exp_sum - torch.exp(reference_target_shifted) / reference_exp_sum
+    return torch.stack([nll, reference_nll, kld, same_top1.double(), delta_p], dim=1).float()
+
+
+def make_divergence_score_fn(model: nn.Module, reference: nn.Module, chunk_rows: int = 8192, kernel: str = "torch"):
+    """A scorer as fastppl.engine.score.make_score_fn's, whose output is (B, T, 5) fp32 (the COLUMNS, 0 where not
+    scored) instead of (B, T): column 0 is the model's NLL, which every NLL sum reads. Both models read the same
+    rows (and packed rows' positions and documents). A reference on a device of its own runs its forward there;
+    its hidden states come to the model's device, where a copy of its output projection computes its logits."""
+    device, reference_device = model.lm_head.weight.device, reference.lm_head.weight.device
+    bias = getattr(model.lm_head, "bias", None)
+    reference_weight = reference.lm_head.weight.to(device)
+    reference_bias = getattr(reference.lm_head, "bias", None)
+    reference_bias = None if reference_bias is None else reference_bias.to(device)
+    chunk_rows = max(1, min(chunk_rows, CHUNK_LOGITS // model.lm_head.weight.shape[0]))
+
+    def score(input_ids: torch.Tensor, targets: torch.Tensor, score_mask: torch.Tensor,
+              position_ids: Optional[torch.Tensor] = None, document_ids: Optional[DocumentIds] = None,
+              scored_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        B, T = input_ids.shape
+        packed = () if document_ids is None else (position_ids, document_ids)
+        hidden = model(input_ids, *packed).reshape(B * T, -1)                                 # (B * T, C)
+        if reference_device == device:
+            reference_hidden = reference(input_ids, *packed)                                  # (B, T, C')
+        else:
+            reference_hidden = reference(*_moved((input_ids, *packed), reference_device)).to(device)
+        reference_hidden, targets = reference_hidden.reshape(B * T, -1), targets.reshape(B * T)
+        if scored_rows is None:
+            values = chunked_divergence(hidden, model.lm_head.weight, reference_hidden, reference_weight, targets,
+                                        bias, reference_bias, chunk_rows, kernel)             # (B * T, 5)
+            return torch.where(score_mask[..., None], values.view(B, T, len(COLUMNS)), 0.0)
+        # the vocabulary products on the scored rows only: a sliding window's context and padding rows skip them
+        values = chunked_divergence(
+            hidden.index_select(0, scored_rows), model.lm_head.weight, reference_hidden.index_select(0, scored_rows),
+            reference_weight, targets.index_select(0, scored_rows), bias, reference_bias, chunk_rows, kernel)
+        return values.new_zeros(B * T, len(COLUMNS)).index_copy_(0, scored_rows, values).view(B, T, len(COLUMNS))
+
+    # the scoring loop passes scored_rows= (fastppl.engine.score.scored_rows_of); a compiled scorer takes none
+    score.gathers_scored_rows = True
+    return score
+
+
+def _moved(inputs: tuple, device: torch.device) -> tuple:
+    """A batch's tensors (and DocumentSpans) on another device."""
+    return tuple(DocumentSpans(x.ids.to(device), x.cu_seqlens.to(device), x.max_seqlen)
+                 if isinstance(x, DocumentSpans) else x.to(device) for x in inputs)

@@ -1,0 +1,83 @@
+"""A divergence run, `fastppl eval --model B --reference-model A`: the reference model A loaded beside B and
+checked against it, and the divergence of B from A added to the report. Both models read the same windows of
+the same tokens in one pass; fastppl.engine.divergence computes each token's values from their hidden states,
+fastppl.report.divergence the statistics."""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from .config import EvalConfig
+from .engine.divergence import KLD_COLUMN
+from .engine.precision import resolve_device
+from .engine.score import DeviceSums
+from .errors import FastpplError
+from .models import load_model
+from .models.loading import position_limit_note
+from .report.divergence import divergence_statistics, kld_by_position, kld_histogram
+
+
+def check_reference_options(config: EvalConfig, distributed: bool) -> None:
+    """Options a divergence run does not take, refused before anything is loaded."""
+    if config.reference_model is None:
+        for flag, given in (("--reference-seed", config.reference_seed),
+                            ("--reference-device", config.reference_device)):
+            if given is not None:
+                raise FastpplError(f"{flag} applies with --reference-model only; add --reference-model or drop it")
+        return
+    if config.reference_device is not None and distributed:
+        raise FastpplError("--reference-device runs in one process only; drop it or run without --nproc / torchrun")
+    if not config.reference_model.strip():
+        raise FastpplError("--reference-model is empty; give a checkpoint directory, a hub id or random:<preset>")
+    refused = {"--loss fused": config.loss == "fused", "--kv-cache on": config.kv_cache == "on",
+               "--resume": config.resume is not None}
+    for flag, given in refused.items():
+        if given:
+            raise FastpplError(f"{flag} does not work with --reference-model (both models' divergence runs its own "
+                               f"chunked kernel over every position); drop {flag}")
+
+
+def load_reference(config: EvalConfig, dtype: torch.dtype, device: torch.device,
+                   model: nn.Module) -> Optional[nn.Module]:
+    """The reference model (None without --reference-model) on its device (--reference-device, else the run's), in
+    the model's dtype; refused when its vocabulary is not the model's (the two must score the same token ids)."""
+    if config.reference_model is None:
+        return None
+    seed = config.seed if config.reference_seed is None else config.reference_seed
+    if config.reference_device is not None:
+        try:
+            device = resolve_device(config.reference_device)
+        except FastpplError as error:   # its message names --device
+            raise FastpplError(str(error).replace("--device", "--reference-device")) from None
+    reference = load_model(config.reference_model, config.backend, dtype, seed, device).to(device)
+    if reference.vocab_size != model.vocab_size:
+        raise FastpplError(
+            f"--reference-model {config.reference_model} has a vocabulary of {reference.vocab_size:,} ids but "
+            f"--model {config.model} has {model.vocab_size:,}; compare two models of one tokenizer and vocabulary")
+    return reference
+
+
+def check_reference_fits(config: EvalConfig, reference: Optional[nn.Module], ctx: int) -> None:
+    if reference is not None and ctx > reference.max_positions:
+        raise FastpplError(f"--ctx {ctx} exceeds the reference model's maximum of {reference.max_positions} "
+                           f"positions{position_limit_note(reference)}; lower --ctx")
+
+
+def add_divergence(result: dict, config: EvalConfig, sums: DeviceSums) -> dict:
+    """The report's "divergence" section (and --per-token's columns) from the merged per-token values."""
+    columns = sums.divergence[:-1].cpu().numpy()                       # (n_tokens, 5), NaN rows unscored
+    scored = columns[~np.isnan(columns[:, 0])]
+    counts = sums.position_count.cpu().numpy()
+    result["divergence"] = {
+        "reference_model": config.reference_model,
+        "reference_seed": config.seed if config.reference_seed is None else config.reference_seed,
+        **divergence_statistics(scored),
+        "kld_by_position": kld_by_position(sums.position_kld_sum.cpu().numpy(), counts),
+        "kld_histogram": kld_histogram(scored[:, KLD_COLUMN].astype(np.float64)),
+    }
+    if config.per_token:
+        result["_per_token"] = columns
+    return result
