@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from fastppl.config import EvalConfig
-from fastppl.data.corpus import dataset_revision
+from fastppl.data.hf_datasets import dataset_revision
 from fastppl.data.protocols import PROTOCOLS, read_protocol_corpus, wikitext_detokenize, wikitext_raw_rows
 from fastppl.data.streams import plan_corpus, scored_bytes_by_document
 from fastppl.data.tokenize import load_tokenizer

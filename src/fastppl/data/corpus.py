@@ -7,7 +7,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
 import shutil
 import stat
 import tempfile
@@ -20,6 +19,7 @@ import numpy as np
 
 from ..config import cache_dir
 from ..errors import FastpplError, first_line, is_link_loop, no_such
+from .hf_datasets import check_texts, load_hf_dataset
 
 
 @dataclass(frozen=True)
@@ -340,61 +340,10 @@ def parse_hf_source(source: str) -> tuple[str, Optional[str], str]:
     return parts[0], parts[1], parts[2]
 
 
-def dataset_revision(dataset) -> Optional[str]:
-    """The hub commit a loaded dataset was read at, where `datasets` records it (its data files' hf://...@SHA
-    paths, or its cache folder named by the commit), else None."""
-    try:
-        places = [*(dataset.info.download_checksums or {}), *(f["filename"] for f in dataset.cache_files)]
-    except (AttributeError, KeyError, TypeError):
-        return None
-    for place in places:
-        found = re.search(r"@([0-9a-f]{40})\b", place) or re.search(r"/([0-9a-f]{40})/", place)
-        if found:
-            return found.group(1)
-    return None
-
-
-def load_hf_dataset(label: str, name: str, config: Optional[str], split: str, data_files: Optional[dict] = None):
-    """A Hugging Face dataset split through `datasets` (cached); label names the source in errors."""
-    try:
-        import datasets
-    except ImportError:
-        raise FastpplError(
-            f"{label}: reading Hugging Face datasets needs the `datasets` package; "
-            "pip install datasets, or export the split to a .jsonl file and pass that"
-        ) from None
-    try:
-        return datasets.load_dataset(name, config, split=split, **({"data_files": data_files} if data_files else {}))
-    except Exception as e:  # datasets raises many types for offline, unknown names, configs and splits
-        raise FastpplError(
-            f"{label}: cannot load dataset {name!r} (config {config}, split {split}): {first_line(e)}; "
-            "offline, it must already be in the datasets cache (HF_DATASETS_OFFLINE=1)"
-        ) from None
-
-
 def _check_columns(label: str, columns: list[str], fields: "Fields") -> None:
     for name, flag in ((fields.text, "--text-field"), (fields.id, "--id-field"), (fields.group, "--group-by")):
         if name is not None and name not in columns:
             raise FastpplError(f"{label}: no field {name!r}; its fields are {', '.join(columns)}; pass {flag} NAME")
-
-
-def _check_texts(label: str, texts, text_field: str) -> None:
-    for row, text in enumerate(texts):
-        if not isinstance(text, str):
-            raise FastpplError(f"{label}: row {row}: field {text_field!r} is not a string; pick the text field with --text-field")
-    if not texts:
-        raise FastpplError(f"{label}: the split holds no rows")
-
-
-def hf_rows(label: str, name: str, config: Optional[str], split: str, text_field: str,
-            data_files: Optional[dict] = None) -> tuple[list[str], Optional[str]]:
-    """The text field of every row of a Hugging Face dataset split, and the hub revision it was read at (None
-    where unknown)."""
-    dataset = load_hf_dataset(label, name, config, split, data_files)
-    _check_columns(label, list(dataset.column_names), Fields(text_field))
-    texts = list(dataset[text_field])
-    _check_texts(label, texts, text_field)
-    return texts, dataset_revision(dataset)
 
 
 def hf_documents(source: str, fields: Fields) -> list[Document]:
@@ -406,7 +355,7 @@ def hf_documents(source: str, fields: Fields) -> list[Document]:
     # the columns a document needs, read column by column (a dataset reads a column at once, not row by row)
     wanted = [c for c in dict.fromkeys((fields.text, fields.id or "id", fields.group)) if c in columns]
     values = {c: dataset[c] for c in wanted}
-    _check_texts(label, values[fields.text], fields.text)
+    check_texts(label, values[fields.text], fields.text)
     documents = [_record_document({c: values[c][row] for c in wanted}, f"{label}: row {row}", f"{source}:{row}", fields)
                  for row in range(len(values[fields.text]))]
     return unique_ids(documents, [f"{source}:{row}" for row in range(len(documents))], label, fields)

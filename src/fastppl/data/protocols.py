@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import FastpplError
-from .corpus import (HF_PREFIX, Document, Fields, decode_utf8, hf_rows, jsonl_documents, load_documents, parse_hf_source,
+from .corpus import (HF_PREFIX, Document, Fields, decode_utf8, jsonl_documents, load_documents, parse_hf_source,
                      read_bytes)
+from .hf_datasets import hf_rows
 
 
 @dataclass(frozen=True)
