@@ -14,10 +14,10 @@ from ..config import is_path_like
 from ..errors import FastpplError, first_line
 from .gpt2 import GPT2, PRESETS
 from .hf_backend import HFCausalLM
-from .hf_convert import (LLAMA_MODEL_TYPES, gpt2_config_from_hf, gpt2_config_to_hf, gpt2_native_gaps,
-                         llama_config_from_hf, llama_config_to_hf, llama_unsupported, load_hf_gpt2_state_dict,
-                         load_hf_llama_state_dict)
+from .hf_convert import (LLAMA_MODEL_TYPES, gpt2_config_from_hf, gpt2_config_to_hf, gpt2_native_gaps, gpt2_pieces,
+                         llama_config_from_hf, llama_config_to_hf, llama_pieces, llama_unsupported)
 from .llama import PRESETS as LLAMA_PRESETS, Llama
+from .weights import StoredTensor, fill_parameters, index_checkpoint
 
 NATIVE_MODEL_TYPES = ("gpt2",) + LLAMA_MODEL_TYPES
 RANDOM_PREFIX = "random:"
@@ -136,7 +136,7 @@ _SIZE_KEYS = {"gpt2": ("n_layer", "vocab_size", "n_embd", "wte.weight"),
 
 def _safetensors_shapes(directory: Path) -> dict[str, tuple]:
     """{name: shape} from the safetensors headers, no weight read; {} without safetensors or where a header is
-    damaged (read_state_dict then says so)."""
+    damaged (checkpoint_index then says so)."""
     from safetensors import safe_open
     shapes = {}
     for file in _weight_files(directory, "model.safetensors", "*.safetensors"):
@@ -167,26 +167,14 @@ def check_config_fits_weights(directory: Path, hf_config: dict) -> None:
                            "or its config.json belongs to another model")
 
 
-def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
-    """model.safetensors (or shards), else pytorch_model.bin; a corrupt file is a one-line error."""
+def checkpoint_index(directory: Path) -> dict[str, StoredTensor]:
+    """Every tensor of model.safetensors (or its shards), else of pytorch_model.bin: dtype, shape and where it
+    lies, no weight read; a corrupt file is a one-line error."""
     safetensors_files = _weight_files(directory, "model.safetensors", "*.safetensors")
     bin_files = _weight_files(directory, "pytorch_model.bin", "pytorch_model*.bin")
     if not safetensors_files and not bin_files:
         raise FastpplError(f"{directory}: holds no model.safetensors or pytorch_model.bin; pass a checkpoint directory that has its weights")
-    state: dict[str, torch.Tensor] = {}
-    for file in safetensors_files or bin_files:
-        try:
-            if file.suffix == ".safetensors":
-                from safetensors.torch import load_file
-                state.update(load_file(str(file)))
-            else:
-                state.update(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
-        except Exception as e:
-            raise FastpplError(
-                f"{file}: cannot be read as a checkpoint ({first_line(e, 160)}); the file is corrupt or truncated, "
-                "download it again"
-            ) from None
-    return state
+    return index_checkpoint(safetensors_files or bin_files)
 
 
 def _weight_files(directory: Path, single: str, pattern: str) -> list[Path]:
@@ -247,7 +235,8 @@ class NoNativeModel(FastpplError):
 def load_model(spec: str, backend: str = "auto", dtype: torch.dtype = torch.float32, seed: int = 0,
                device: torch.device | str = "cpu") -> nn.Module:
     """A model in eval mode with the engine's interface (hidden states + lm_head). Random weights are
-    drawn on `device`; checkpoints are read on the CPU (the caller moves the model)."""
+    drawn on `device`, a checkpoint's read straight to it (native models; --backend hf loads on the CPU and the
+    caller moves the model)."""
     if spec.startswith(RANDOM_PREFIX):
         native = random_native(spec[len(RANDOM_PREFIX):], seed, device if backend != "hf" else "cpu")
         model: nn.Module = HFCausalLM(native_to_hf(native), "--backend hf") if backend == "hf" else native
@@ -273,13 +262,14 @@ def load_model(spec: str, backend: str = "auto", dtype: torch.dtype = torch.floa
                else f"auto: the native model does not implement {unsupported or ', '.join(gaps)}")
         return _load_hf(directory, dtype, why).eval()
     if model_type in LLAMA_MODEL_TYPES:
-        return _load_native(directory, hf_config, llama_config_from_hf, Llama, load_hf_llama_state_dict, dtype)
-    return _load_native(directory, hf_config, gpt2_config_from_hf, GPT2, load_hf_gpt2_state_dict, dtype)
+        return _load_native(directory, hf_config, llama_config_from_hf, Llama, llama_pieces, dtype, device)
+    return _load_native(directory, hf_config, gpt2_config_from_hf, GPT2, gpt2_pieces, dtype, device)
 
 
-def _load_native(directory: Path, hf_config: dict, config_from_hf, model_class, load_state_dict,
-                 dtype: torch.dtype) -> nn.Module:
-    """Build on the meta device (no memory, no init), then fill every weight from the checkpoint."""
+def _load_native(directory: Path, hf_config: dict, config_from_hf, model_class, checkpoint_pieces,
+                 dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """Build on the meta device (no memory, no init), allocate on `device` in `dtype`, then read every weight
+    into place, a tensor at a time (fastppl.models.weights)."""
     try:
         config = config_from_hf(hf_config)
         with torch.device("meta"):
@@ -289,13 +279,14 @@ def _load_native(directory: Path, hf_config: dict, config_from_hf, model_class, 
     except (TypeError, ValueError, AssertionError, RuntimeError) as e:   # a wrong type, a negative size, ...
         raise FastpplError(f"{directory}/config.json: does not describe a valid model ({first_line(e, 160)}); "
                            "the checkpoint is corrupt") from None
+    pieces = checkpoint_pieces(model, checkpoint_index(directory), str(directory))   # all checked before allocating
     tied = [name for name, module in model.named_modules()
             if isinstance(module, nn.Embedding) and module.weight is model.lm_head.weight]
-    model = model.to_empty(device="cpu")
+    model = model.to(dtype).to_empty(device=device)
     for name in tied:   # to_empty unties shared parameters; tie them again
         model.lm_head.weight = model.get_submodule(name).weight
-    load_state_dict(model, read_state_dict(directory), str(directory))
-    return model.to(dtype).eval()
+    fill_parameters(model, pieces)
+    return model.eval()
 
 
 def save_hf_gpt2(model: GPT2, directory: os.PathLike) -> None:
