@@ -192,3 +192,14 @@ def test_a_checkpoint_loads_straight_to_the_gpu_with_the_cpus_weights(tmp_path, 
         on_gpu = load_model(str(directory), "native", dtype, device="cuda")
         assert all(p.device.type == "cuda" for p in on_gpu.parameters())
         _assert_same_weights(on_gpu.cpu(), load_model(str(directory), "native", dtype), dtype)
+
+
+def test_building_on_the_meta_device_imports_no_compiler_machinery(tmp_path):
+    """Initialising meta tensors (normal_) and Module.to_empty imported torch's decompositions and sympy, seconds
+    of a first load; the native load skips both."""
+    directory = _save_llama(tmp_path / "model", torch.bfloat16, tied=True)
+    code = ("import sys, torch; from fastppl.models import load_model; "
+            f"load_model({str(directory)!r}, 'native', torch.bfloat16); print('sympy' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+    assert done.stdout.split() == ["False"]

@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
 from ..config import is_path_like
 from ..errors import FastpplError, first_line
@@ -266,13 +267,26 @@ def load_model(spec: str, backend: str = "auto", dtype: torch.dtype = torch.floa
     return _load_native(directory, hf_config, gpt2_config_from_hf, GPT2, gpt2_pieces, dtype, device)
 
 
+class _NoInitialisation(TorchFunctionMode):
+    """Initialisers of meta tensors return at once: they compute nothing there, and torch builds the meta kernel
+    of normal_ at its first call, which took seconds (the tensors are all read from the checkpoint anyway)."""
+    INITIALISERS = {"normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+                    "xavier_normal_", "zeros_", "ones_", "zero_", "fill_", "constant_"}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        target = args[0] if args else (kwargs or {}).get("tensor")   # torch.nn.init passes it by name
+        if getattr(func, "__name__", None) in self.INITIALISERS and isinstance(target, torch.Tensor) and target.is_meta:
+            return target
+        return func(*args, **(kwargs or {}))
+
+
 def _load_native(directory: Path, hf_config: dict, config_from_hf, model_class, checkpoint_pieces,
                  dtype: torch.dtype, device: torch.device | str) -> nn.Module:
     """Build on the meta device (no memory, no init), allocate on `device` in `dtype`, then read every weight
     into place, a tensor at a time (fastppl.models.weights)."""
     try:
         config = config_from_hf(hf_config)
-        with torch.device("meta"):
+        with torch.device("meta"), _NoInitialisation():
             model = model_class(config)
     except KeyError as e:
         raise FastpplError(f"{directory}/config.json: lacks {e}; the checkpoint is corrupt") from None
@@ -280,22 +294,39 @@ def _load_native(directory: Path, hf_config: dict, config_from_hf, model_class, 
         raise FastpplError(f"{directory}/config.json: does not describe a valid model ({first_line(e, 160)}); "
                            "the checkpoint is corrupt") from None
     pieces = checkpoint_pieces(model, checkpoint_index(directory), str(directory))   # all checked before allocating
-    tied = [name for name, module in model.named_modules()
-            if isinstance(module, nn.Embedding) and module.weight is model.lm_head.weight]
-    model = model.to(dtype).to_empty(device=device)
-    for name in tied:   # to_empty unties shared parameters; tie them again
-        model.lm_head.weight = model.get_submodule(name).weight
+    _allocate_parameters(model, dtype, device)
     fill_parameters(model, pieces)
     return model.eval()
 
 
-def save_hf_gpt2(model: GPT2, directory: os.PathLike) -> None:
-    """Write native weights as an HF GPT-2 checkpoint directory (config.json + model.safetensors)."""
+def _allocate_parameters(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> None:
+    """Each meta parameter replaced by an uninitialised one on `device` in `dtype`; one shared by two modules (a
+    tied lm_head) stays shared. Not Module.to_empty: its empty_like from meta imported modules for a second."""
+    assert not list(model.buffers()), "the native models keep no buffers"
+    allocated: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, meta in list(module.named_parameters(recurse=False)):
+            if id(meta) not in allocated:
+                allocated[id(meta)] = nn.Parameter(torch.empty(meta.shape, dtype=dtype, device=device),
+                                                   requires_grad=meta.requires_grad)
+            setattr(module, name, allocated[id(meta)])
+
+
+def save_hf_checkpoint(model: nn.Module, directory: os.PathLike, dtype: torch.dtype = torch.float32) -> None:
+    """Write a native GPT-2 or Llama as an HF checkpoint directory (config.json + model.safetensors) in dtype."""
     from safetensors.torch import save_file
-    from .hf_convert import gpt2_state_dict_to_hf
+    from .hf_convert import gpt2_state_dict_to_hf, llama_state_dict_to_hf
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    state = gpt2_state_dict_to_hf(model)
-    del state["lm_head.weight"]  # tied: safetensors refuses shared storage
-    save_file({k: v.float().contiguous() for k, v in state.items()}, str(directory / "model.safetensors"))
-    (directory / "config.json").write_text(json.dumps(gpt2_config_to_hf(model.config), indent=2))
+    is_llama = isinstance(model, Llama)
+    state = llama_state_dict_to_hf(model) if is_llama else gpt2_state_dict_to_hf(model)
+    if not is_llama or model.config.tie_word_embeddings:
+        del state["lm_head.weight"]  # tied: safetensors refuses shared storage
+    save_file({k: v.to("cpu", dtype).contiguous() for k, v in state.items()}, str(directory / "model.safetensors"))
+    hf_config = llama_config_to_hf(model.config) if is_llama else gpt2_config_to_hf(model.config)
+    (directory / "config.json").write_text(json.dumps(hf_config, indent=2))
+
+
+def save_hf_gpt2(model: GPT2, directory: os.PathLike) -> None:
+    """Write native GPT-2 weights as an HF checkpoint directory in fp32."""
+    save_hf_checkpoint(model, directory)
