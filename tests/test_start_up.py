@@ -5,6 +5,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 import fastppl.pipeline as pipeline
 from fastppl.config import EvalConfig
@@ -127,3 +128,21 @@ def test_a_tokenizing_error_is_raised_on_the_callers_thread_after_the_models_che
     # the model's own errors come first, as when the corpus was tokenized after the model loaded
     with pytest.raises(FastpplError, match="--ctx 4096 exceeds the model's maximum"):
         _run(tokenizer_dir, texts, ctx=4096)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_on_cuda_a_checkpoint_loaded_straight_to_the_gpu_beside_tokenizing_gives_the_same_sums(
+        tokenizer_dir, texts, monkeypatch, tmp_path, dtype):
+    from fastppl.models.loading import random_gpt2, save_hf_gpt2
+    save_hf_gpt2(random_gpt2("gpt2-tiny", 3), tmp_path / "model")
+    overrides = dict(model=str(tmp_path / "model"), device="cuda", dtype=dtype, compile="off", batch_size=4)
+    overlapped = _run(tokenizer_dir, texts, **overrides)
+    assert overlapped["stage_seconds"]["cuda_start"] > 0
+    real_load = pipeline.load_model
+    # one stage after the other, the weights read on the CPU and moved to the GPU by pipeline.accelerate
+    monkeypatch.setattr(pipeline, "InBackground", _InForeground)
+    monkeypatch.setattr(pipeline, "load_model", lambda *args: real_load(*args[:4], "cpu"))
+    sequential = _run(tokenizer_dir, texts, **overrides)
+    assert overlapped["nll_sum"] == sequential["nll_sum"] and overlapped["tokens_scored"] == sequential["tokens_scored"]
