@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import fastppl
 import fastppl.models.weights as weights
 from fastppl.errors import FastpplError
 from fastppl.models import load_model
@@ -189,7 +190,7 @@ def test_a_bf16_load_holds_the_model_once_in_host_memory(tmp_path, checkpoint):
 def test_a_checkpoint_loads_straight_to_the_gpu_with_the_cpus_weights(tmp_path, checkpoint):
     directory = CHECKPOINTS[checkpoint](tmp_path / "model", torch.float64)
     for dtype in (torch.bfloat16, torch.float32):
-        on_gpu = load_model(str(directory), "native", dtype, device="cuda")
+        on_gpu = fastppl.load_model(str(directory), "native", dtype, device="cuda")   # the public API's too
         assert all(p.device.type == "cuda" for p in on_gpu.parameters())
         _assert_same_weights(on_gpu.cpu(), load_model(str(directory), "native", dtype), dtype)
 
