@@ -204,3 +204,26 @@ def test_building_on_the_meta_device_imports_no_compiler_machinery(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
     assert done.stdout.split() == ["False"]
+
+
+@pytest.mark.parametrize("damage", ["no header", "header of another length", "offsets past the end", "not JSON"])
+def test_a_damaged_safetensors_header_is_one_line(tmp_path, damage):
+    import struct
+    directory = _save_gpt2(tmp_path / "model", torch.float32)
+    file = directory / "model.safetensors"
+    data = file.read_bytes()
+    length = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + length])
+    if damage == "no header":
+        data = data[:5]
+    elif damage == "header of another length":
+        data = struct.pack("<Q", 2 ** 40) + data[8:]
+    elif damage == "offsets past the end":
+        header["transformer.wpe.weight"]["data_offsets"][1] += 4
+        text = json.dumps(header).encode()
+        data = struct.pack("<Q", len(text)) + text + data[8 + length:]
+    else:
+        data = data[:8] + b"\xff" * length + data[8 + length:]
+    file.write_bytes(data)
+    with pytest.raises(FastpplError, match="model.safetensors: cannot be read as a checkpoint .*corrupt or truncated"):
+        load_model(str(directory), "native", torch.float32)

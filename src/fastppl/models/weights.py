@@ -22,6 +22,7 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.
 # widened to fp32 without rounding, so that converting them straight to the run's dtype rounds as the fp32 route
 # does; any other dtype (fp64) goes through fp32 first, as torch's CPU casts do and another device's might not
 _EXACT_IN_FP32 = (torch.float32, torch.float16, torch.bfloat16)
+_MAX_HEADER_BYTES = 100_000_000   # the safetensors library's own limit: a larger "header" is not one
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ def _safetensors_index(file: Path) -> dict[str, StoredTensor]:
     with open(file, "rb") as handle:
         prefix = handle.read(8)
         header_length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
-        if not 0 < header_length <= size - 8:
+        if not 0 < header_length <= min(size - 8, _MAX_HEADER_BYTES):
             raise _corrupt(file, "no safetensors header")
         try:
             header = json.loads(handle.read(header_length))
@@ -78,13 +79,13 @@ def _safetensors_index(file: Path) -> dict[str, StoredTensor]:
         if name == "__metadata__":
             continue
         try:
-            begin, end = entry["data_offsets"]
+            begin, end = (int(offset) for offset in entry["data_offsets"])
             stored = StoredTensor(_SAFETENSORS_DTYPES[entry["dtype"]], tuple(int(s) for s in entry["shape"]),
-                                  file, data_start + int(begin))
+                                  file, data_start + begin)
         except (KeyError, TypeError, ValueError):
             raise _corrupt(file, f"header entry {name!r}") from None
         if not 0 <= begin <= end <= size - data_start or end - begin != stored.n_bytes:
-            raise _corrupt(file, f"{name} lies past the end of the file")
+            raise _corrupt(file, f"the bytes of {name} do not fit its shape or the file")
         index[name] = stored
     return index
 
