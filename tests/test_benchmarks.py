@@ -22,9 +22,12 @@ def test_every_benchmark_script_runs_on_the_cpu_and_prints_its_table(tmp_path, t
         "decode_step.py": (["--device", "cpu", "--model", "gpt2-tiny", "--batch-sizes", "1,2", "--new-tokens", "4",
                             "--prompt-tokens", "8", "--runs", "1"],
                            ["| batch | variant | decode step |", "| 1 | default | eager |", "| 2 | default | eager |"]),
-        "end_to_end.py": (["--model", "random:gpt2-tiny", "--checkpoint", "--device", "cpu", "--runs", "2",
-                           "--tokenizer", str(tokenizer_dir), "--data", str(corpus), "--", "--ctx", "32"],
-                          ["| run | wall s (process start to exit) |", "| 1 (cold) |", "| 2 |", "| scoring |"]),
+        "end_to_end.py": (["--model", "random:llama-tiny", "--checkpoint", "--device", "cpu", "--runs", "2",
+                           "--repeat", "3", "--tokenizer", str(tokenizer_dir), "--data", str(corpus), "--", "--ctx",
+                           "32"],
+                          ["| run | wall s (process start to exit) |", "| 1 (cold) |", "| 2 |", "| scoring |",
+                           "| wait_for_tokenize |", "(the corpus 3 times over)", "weight files: 0.013 GB",
+                           "x the weights) |"]),
     }
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     started = {name: subprocess.Popen([sys.executable, str(BENCHMARKS / name), *arguments], env=env, cwd=tmp_path,

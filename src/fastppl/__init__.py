@@ -10,10 +10,10 @@ def evaluate(config: EvalConfig) -> dict:
     return _evaluate(config)
 
 
-def load_model(spec: str, backend: str = "auto", dtype=None, seed: int = 0):
+def load_model(spec: str, backend: str = "auto", dtype=None, seed: int = 0, device="cpu"):
     import torch
     from .models import load_model as _load_model
-    return _load_model(spec, backend, dtype or torch.float32, seed)
+    return _load_model(spec, backend, dtype or torch.float32, seed, device)
 
 
 __all__ = ["EvalConfig", "FastpplError", "evaluate", "load_model", "__version__"]

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -80,6 +81,8 @@ def evaluate(config: EvalConfig) -> dict:
     run.stage_done("read_corpus")
     tokenizer = load_tokenizer(config.tokenizer or default_tokenizer_name(config.model))
     run.stage_done("load_tokenizer")
+    # tokenizing needs neither the model nor the GPU: it runs beside the weights' loading and the CUDA start
+    encoding = InBackground(lambda: encode_texts(documents, tokenizer), "fastppl-tokenize")
     model = load_model(config.model, config.backend, run.dtype, config.seed, device)
     reference = load_reference(config, run.dtype, device, model)   # None unless --reference-model
     run.stage_done("load_model")
@@ -87,8 +90,9 @@ def evaluate(config: EvalConfig) -> dict:
     check_reference_fits(config, reference, ctx)
     use_kv_cache, kv_cache_reason = choose_kv_cache(config.kv_cache, config.window, model)
     check_run_options(config, dist, use_kv_cache)   # before any work: after the batch-size probe they came late
-    documents, tokens = tokenize(documents, tokenizer, model)
-    run.stage_done("tokenize")
+    documents, tokens = tokenize(documents, tokenizer, model, encoding.result())
+    run.stage_seconds["tokenize"] = encoding.seconds   # on its own thread, beside load_model and this wait
+    run.stage_done("wait_for_tokenize")
     plan = plan_corpus(tokens, tokenizer, config.window, config.stride, config.bos, ctx, protocol)
     corpus_digest = corpus_sha256(documents)   # the report's, and the resume fingerprint's
     run.stage_started = time.perf_counter()    # planning is no stage of its own: "prepare" starts here
@@ -99,6 +103,9 @@ def evaluate(config: EvalConfig) -> dict:
     for thread in warm_ups:
         thread.join()   # before the first kernel (accel/warm_up.start_cuda_warm_up says why)
     run.stage_done("wait_for_warm_up")
+    cuda_start = [thread.seconds for thread in warm_ups if getattr(thread, "seconds", None) is not None]
+    if cuda_start:   # on its own thread from the start, beside every stage before wait_for_warm_up
+        run.stage_seconds["cuda_start"] = cuda_start[0]
     batches = choose_batches(run, model, plan, acceleration, score_fn, ctx)
     run.stage_done("choose_batch_size")
     scored = score(run, model, plan, acceleration, score_fn, batches, ctx, use_kv_cache,
@@ -175,13 +182,44 @@ def inputs_by_part(run: Run, documents: list[Document], corpus_digest: str, toke
             "windows": f"{len(plan.refs)} windows of ctx {ctx}, {plan.n_scored} tokens scored"}
 
 
-def tokenize(documents: list[Document], tokenizer: Tokenizer,
-             model: nn.Module) -> tuple[list[Document], list[np.ndarray]]:
-    """Each document's token ids (from the token cache where it holds them); pre-tokenised documents keep their
-    ids and get the text those stand for."""
-    documents = [d if d.token_ids is None else with_decoded_text(d, tokenizer, model.vocab_size) for d in documents]
+class InBackground:
+    """fn() on a thread of its own; result() waits for it and returns its value, or raises its exception on the
+    caller's thread; seconds is the thread's own wall time. A daemon, so that an error of the caller's exits at
+    once, without waiting for it."""
+
+    def __init__(self, fn: Callable[[], Any], name: str):
+        self.seconds, self._value, self._error = 0.0, None, None
+        self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        started = time.perf_counter()
+        try:
+            self._value = fn()
+        except BaseException as e:   # raised again by result(), on the caller's thread
+            self._error = e
+        finally:
+            self.seconds = time.perf_counter() - started
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def encode_texts(documents: list[Document], tokenizer: Tokenizer) -> list[Optional[np.ndarray]]:
+    """Each text document's token ids (from the token cache where it holds them); None for a pre-tokenised one."""
     encoded = iter(encode_documents(tokenizer, [d.text for d in documents if d.token_ids is None]))
-    tokens = [next(encoded) if d.token_ids is None else d.token_ids for d in documents]
+    return [next(encoded) if d.token_ids is None else None for d in documents]
+
+
+def tokenize(documents: list[Document], tokenizer: Tokenizer, model: nn.Module,
+             encoded: list[Optional[np.ndarray]]) -> tuple[list[Document], list[np.ndarray]]:
+    """Each document's token ids: the text documents' from encode_texts; pre-tokenised documents keep their ids
+    (checked against the model's vocabulary) and get the text those stand for."""
+    documents = [d if d.token_ids is None else with_decoded_text(d, tokenizer, model.vocab_size) for d in documents]
+    tokens = [ids if d.token_ids is None else d.token_ids for d, ids in zip(documents, encoded)]
     for ids in tokens:   # whatever their source: an id past the embedding is a one-line error, not an IndexError
         check_ids_in_vocabulary(ids, model.vocab_size, tokenizer.name)
     return documents, tokens

@@ -7,7 +7,20 @@ from __future__ import annotations
 import functools
 import importlib.util
 import threading
+import time
 from typing import Optional
+
+
+class _TimedThread(threading.Thread):
+    """A thread that keeps how long its target ran (seconds; None until it has ended), for stage_seconds."""
+    seconds: Optional[float] = None
+
+    def run(self) -> None:
+        started = time.perf_counter()
+        try:
+            super().run()
+        finally:
+            self.seconds = time.perf_counter() - started
 
 
 def _warm_up_cuda(device) -> None:
@@ -65,7 +78,7 @@ def start_cuda_warm_up(device) -> list[threading.Thread]:
         # "cuda" means the caller's current device, which is per thread (before init it is device 0)
         device = torch.device("cuda", torch.cuda.current_device())
     # not a daemon: an early error exit must not tear the interpreter down mid-way through a CUDA call
-    cuda = threading.Thread(target=_warm_up_cuda, args=(device,), name="fastppl-cuda-warm-up")
+    cuda = _TimedThread(target=_warm_up_cuda, args=(device,), name="fastppl-cuda-warm-up")
     cuda.start()
     triton = start_triton_warm_up()
     return [cuda] + ([triton] if triton is not None else [])

@@ -10,6 +10,7 @@ import torch
 from ..errors import FastpplError
 from .gpt2 import GPT2, GPT2Config
 from .llama import Llama, LlamaConfig
+from .weights import Piece, StoredTensor, read_tensor
 
 # native name pattern -> HF name pattern ({} is the layer index)
 GPT2_NAME_MAP = {
@@ -80,60 +81,59 @@ def _expand(config: GPT2Config) -> dict[str, str]:
     return names
 
 
-def load_hf_gpt2_state_dict(model: GPT2, hf_state: dict[str, torch.Tensor], source: str) -> None:
-    """Copy an HF GPT-2 state dict into model (checks every key and shape)."""
+def gpt2_pieces(model: GPT2, index: dict[str, StoredTensor], source: str) -> list[tuple[StoredTensor, Piece]]:
+    """Where each tensor of an HF GPT-2 checkpoint goes in model (checks every key, shape and dtype)."""
     # some checkpoints drop the "transformer." prefix; attention mask buffers are not weights
-    hf_state = {(k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k): v
-                for k, v in hf_state.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+    index = {(k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k): v
+             for k, v in index.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
     names = _expand(model.config)
-    missing = [hf for hf in names.values() if hf not in hf_state]
+    missing = [hf for hf in names.values() if hf not in index]
     if missing:
         raise FastpplError(
             f"{source}: checkpoint lacks {len(missing)} GPT-2 weights (first: {missing[0]}); "
             "the file is incomplete or not a GPT-2 checkpoint"
         )
     # the native GPT-2 ties lm_head to wte: a checkpoint's own lm_head must be that same matrix
-    _refuse_dropped_weights(hf_state, "transformer.h.", model.config.n_layer, "lm_head.weight",
+    _refuse_dropped_weights(index, "transformer.h.", model.config.n_layer, "lm_head.weight",
                             "transformer.wte.weight", source)
     native_params = dict(model.named_parameters())
-    with torch.no_grad():
-        for native, hf in names.items():
-            tensor = hf_state[hf]
-            if _CONV1D.search(hf):
-                tensor = tensor.t()
-            _copy_checked(native_params[native], tensor, source, hf)
+    pieces = []
+    for native, hf in names.items():
+        shape, transpose = tuple(native_params[native].shape), bool(_CONV1D.search(hf))
+        _check_stored(index[hf], shape[::-1] if transpose else shape, source, hf)
+        pieces.append((index[hf], Piece(native, 0, shape[0], transpose)))
+    return pieces
 
 
-def _refuse_dropped_weights(hf_state: dict, layer_prefix: str, n_layer: int, tied_head: Optional[str],
+def _refuse_dropped_weights(index: dict[str, StoredTensor], layer_prefix: str, n_layer: int, tied_head: Optional[str],
                             embedding: str, source: str) -> None:
     """Refuse a checkpoint whose weights the model would drop and so silently be another model: layers past
     the config's n_layer (a config with fewer layers than the file), or, for a tied model, a file's own output
     matrix that is not the embedding. Other extra tensors (a value head, a second copy of the weights under
     other names, as Mistral's consolidated.safetensors) are ignored, as transformers ignores them."""
     layer = re.compile(re.escape(layer_prefix) + r"(\d+)\.")
-    extra = sorted((int(m.group(1)), k) for k in hf_state if (m := layer.match(k)) and int(m.group(1)) >= n_layer)
+    extra = sorted((int(m.group(1)), k) for k in index if (m := layer.match(k)) and int(m.group(1)) >= n_layer)
     if extra:
         raise FastpplError(
             f"{source}: checkpoint holds layer {extra[0][0]} ({extra[0][1]}), but config.json has {n_layer} layers; "
             "the config does not match the file")
-    if tied_head is not None and tied_head in hf_state and embedding in hf_state:
-        head, table = hf_state[tied_head], hf_state[embedding]
-        if head.shape != table.shape or not torch.equal(head, table):
+    if tied_head is not None and tied_head in index and embedding in index:
+        head, table = index[tied_head], index[embedding]
+        if head.shape != table.shape or not torch.equal(read_tensor(head), read_tensor(table)):
             raise FastpplError(
                 f"{source}: {tied_head} differs from {embedding}, but config.json ties them (tie_word_embeddings); "
                 "the config does not match the file")
 
 
-def _copy_checked(target: torch.Tensor, tensor: torch.Tensor, source: str, hf_name: str) -> None:
-    """target <- tensor, after checking that the checkpoint's shape is the one the config implies."""
-    if not tensor.is_floating_point():   # copy_ would convert integers silently
-        raise FastpplError(f"{source}: {hf_name} holds {tensor.dtype} values, not weights; the checkpoint is corrupt")
-    if tuple(tensor.shape) != tuple(target.shape):
+def _check_stored(stored: StoredTensor, shape: tuple, source: str, hf_name: str) -> None:
+    """A checkpoint tensor holds weights of the shape the config implies."""
+    if not stored.dtype.is_floating_point:   # a conversion would turn integers into weights silently
+        raise FastpplError(f"{source}: {hf_name} holds {stored.dtype} values, not weights; the checkpoint is corrupt")
+    if tuple(stored.shape) != tuple(shape):
         raise FastpplError(
-            f"{source}: {hf_name} has shape {tuple(tensor.shape)}, config.json implies "
-            f"{tuple(target.shape)}; the checkpoint does not match its config"
+            f"{source}: {hf_name} has shape {tuple(stored.shape)}, config.json implies "
+            f"{tuple(shape)}; the checkpoint does not match its config"
         )
-    target.copy_(tensor)
 
 
 def gpt2_state_dict_to_hf(model: GPT2) -> dict[str, torch.Tensor]:
@@ -277,25 +277,36 @@ def _llama_hf_names(native: str) -> list[str]:
     return [hf.format(match.group(1)) if match else hf for hf in LLAMA_NAME_MAP[pattern]]
 
 
-def load_hf_llama_state_dict(model: Llama, hf_state: dict[str, torch.Tensor], source: str) -> None:
-    """Copy an HF Llama/Qwen2/Mistral state dict into model (checks every key and shape)."""
+def _llama_rows(config: LlamaConfig, native: str, n_rows: int, n_pieces: int) -> list[int]:
+    """The rows each HF tensor holds of a native parameter: q, k, v of their heads; gate and up halves."""
+    if native.endswith(("qkv.weight", "qkv.bias")):
+        return [config.n_head * config.head_dim, config.n_kv_head * config.head_dim, config.n_kv_head * config.head_dim]
+    return [n_rows // n_pieces] * n_pieces
+
+
+def llama_pieces(model: Llama, index: dict[str, StoredTensor], source: str) -> list[tuple[StoredTensor, Piece]]:
+    """Where each tensor of an HF Llama/Qwen2/Mistral checkpoint goes in model (checks every key, shape, dtype)."""
     # some checkpoints drop the "model." prefix
-    hf_state = {(k if k.startswith(("model.", "lm_head.")) else "model." + k): v for k, v in hf_state.items()}
+    index = {(k if k.startswith(("model.", "lm_head.")) else "model." + k): v for k, v in index.items()}
     native_params = dict(model.named_parameters())        # a tied lm_head appears once, as embed.weight
     names = {native: _llama_hf_names(native) for native in native_params}
-    missing = [hf for hf_names in names.values() for hf in hf_names if hf not in hf_state]
+    missing = [hf for hf_names in names.values() for hf in hf_names if hf not in index]
     if missing:
         raise FastpplError(
             f"{source}: checkpoint lacks {len(missing)} weights that config.json implies (first: {missing[0]}); "
             "the file is incomplete or its config does not match it"
         )
-    _refuse_dropped_weights(hf_state, "model.layers.", model.config.n_layer,
+    _refuse_dropped_weights(index, "model.layers.", model.config.n_layer,
                             "lm_head.weight" if model.config.tie_word_embeddings else None,
                             "model.embed_tokens.weight", source)
-    with torch.no_grad():
-        for native, hf_names in names.items():
-            tensor = torch.cat([hf_state[hf] for hf in hf_names]) if len(hf_names) > 1 else hf_state[hf_names[0]]
-            _copy_checked(native_params[native], tensor, source, " + ".join(hf_names))
+    pieces = []
+    for native, hf_names in names.items():
+        shape, start = tuple(native_params[native].shape), 0
+        for hf, rows in zip(hf_names, _llama_rows(model.config, native, shape[0], len(hf_names))):
+            _check_stored(index[hf], (rows, *shape[1:]), source, hf)
+            pieces.append((index[hf], Piece(native, start, start + rows)))
+            start += rows
+    return pieces
 
 
 def llama_state_dict_to_hf(model: Llama) -> dict[str, torch.Tensor]:
@@ -304,11 +315,7 @@ def llama_state_dict_to_hf(model: Llama) -> dict[str, torch.Tensor]:
     for native, param in model.named_parameters():
         hf_names = _llama_hf_names(native)
         tensor = param.detach()
-        if native.endswith(("qkv.weight", "qkv.bias")):
-            c = model.config
-            pieces = tensor.split([c.n_head * c.head_dim, c.n_kv_head * c.head_dim, c.n_kv_head * c.head_dim])
-        else:
-            pieces = tensor.chunk(len(hf_names))
+        pieces = tensor.split(_llama_rows(model.config, native, tensor.shape[0], len(hf_names)))
         for hf, piece in zip(hf_names, pieces):
             out[hf] = piece.contiguous().clone()
     if model.config.tie_word_embeddings:

@@ -9,15 +9,16 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
 from ..config import is_path_like
 from ..errors import FastpplError, first_line, is_link_loop, no_such
 from .gpt2 import GPT2, PRESETS
 from .hf_backend import HFCausalLM
-from .hf_convert import (LLAMA_MODEL_TYPES, gpt2_config_from_hf, gpt2_config_to_hf, gpt2_native_gaps,
-                         llama_config_from_hf, llama_config_to_hf, llama_unsupported, load_hf_gpt2_state_dict,
-                         load_hf_llama_state_dict)
+from .hf_convert import (LLAMA_MODEL_TYPES, gpt2_config_from_hf, gpt2_config_to_hf, gpt2_native_gaps, gpt2_pieces,
+                         llama_config_from_hf, llama_config_to_hf, llama_pieces, llama_unsupported)
 from .llama import PRESETS as LLAMA_PRESETS, Llama
+from .weights import StoredTensor, fill_parameters, index_checkpoint
 
 NATIVE_MODEL_TYPES = ("gpt2",) + LLAMA_MODEL_TYPES
 RANDOM_PREFIX = "random:"
@@ -135,7 +136,7 @@ _SIZE_KEYS = {"gpt2": ("n_layer", "vocab_size", "n_embd", "wte.weight"),
 
 def _safetensors_shapes(directory: Path) -> dict[str, tuple]:
     """{name: shape} from the safetensors headers, no weight read; {} without safetensors or where a header is
-    damaged (read_state_dict then says so)."""
+    damaged (checkpoint_index then says so)."""
     from safetensors import safe_open
     shapes = {}
     for file in _weight_files(directory, "model.safetensors", "*.safetensors"):
@@ -166,26 +167,14 @@ def check_config_fits_weights(directory: Path, hf_config: dict) -> None:
                            "or its config.json belongs to another model")
 
 
-def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
-    """model.safetensors (or shards), else pytorch_model.bin; a corrupt file is a one-line error."""
+def checkpoint_index(directory: Path) -> dict[str, StoredTensor]:
+    """Every tensor of model.safetensors (or its shards), else of pytorch_model.bin: dtype, shape and where it
+    lies, no weight read; a corrupt file is a one-line error."""
     safetensors_files = _weight_files(directory, "model.safetensors", "*.safetensors")
     bin_files = _weight_files(directory, "pytorch_model.bin", "pytorch_model*.bin")
     if not safetensors_files and not bin_files:
         raise FastpplError(f"{directory}: holds no model.safetensors or pytorch_model.bin; pass a checkpoint directory that has its weights")
-    state: dict[str, torch.Tensor] = {}
-    for file in safetensors_files or bin_files:
-        try:
-            if file.suffix == ".safetensors":
-                from safetensors.torch import load_file
-                state.update(load_file(str(file)))
-            else:
-                state.update(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
-        except Exception as e:
-            raise FastpplError(
-                f"{file}: cannot be read as a checkpoint ({first_line(e, 160)}); the file is corrupt or truncated, "
-                "download it again"
-            ) from None
-    return state
+    return index_checkpoint(safetensors_files or bin_files)
 
 
 def _weight_files(directory: Path, single: str, pattern: str) -> list[Path]:
@@ -246,7 +235,8 @@ class NoNativeModel(FastpplError):
 def load_model(spec: str, backend: str = "auto", dtype: torch.dtype = torch.float32, seed: int = 0,
                device: torch.device | str = "cpu") -> nn.Module:
     """A model in eval mode with the engine's interface (hidden states + lm_head). Random weights are
-    drawn on `device`; checkpoints are read on the CPU (the caller moves the model)."""
+    drawn on `device`, a checkpoint's read straight to it (native models; --backend hf loads on the CPU and the
+    caller moves the model)."""
     if spec.startswith(RANDOM_PREFIX):
         native = random_native(spec[len(RANDOM_PREFIX):], seed, device if backend != "hf" else "cpu")
         model: nn.Module = HFCausalLM(native_to_hf(native), "--backend hf") if backend == "hf" else native
@@ -272,38 +262,70 @@ def load_model(spec: str, backend: str = "auto", dtype: torch.dtype = torch.floa
                else f"auto: the native model does not implement {unsupported or ', '.join(gaps)}")
         return _load_hf(directory, dtype, why).eval()
     if model_type in LLAMA_MODEL_TYPES:
-        return _load_native(directory, hf_config, llama_config_from_hf, Llama, load_hf_llama_state_dict, dtype)
-    return _load_native(directory, hf_config, gpt2_config_from_hf, GPT2, load_hf_gpt2_state_dict, dtype)
+        return _load_native(directory, hf_config, llama_config_from_hf, Llama, llama_pieces, dtype, device)
+    return _load_native(directory, hf_config, gpt2_config_from_hf, GPT2, gpt2_pieces, dtype, device)
 
 
-def _load_native(directory: Path, hf_config: dict, config_from_hf, model_class, load_state_dict,
-                 dtype: torch.dtype) -> nn.Module:
-    """Build on the meta device (no memory, no init), then fill every weight from the checkpoint."""
+class _NoInitialisation(TorchFunctionMode):
+    """Initialisers of meta tensors return at once: they compute nothing there, and torch builds the meta kernel
+    of normal_ at its first call, which took seconds (the tensors are all read from the checkpoint anyway)."""
+    INITIALISERS = {"normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+                    "xavier_normal_", "zeros_", "ones_", "zero_", "fill_", "constant_"}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        target = args[0] if args else (kwargs or {}).get("tensor")   # torch.nn.init passes it by name
+        if getattr(func, "__name__", None) in self.INITIALISERS and isinstance(target, torch.Tensor) and target.is_meta:
+            return target
+        return func(*args, **(kwargs or {}))
+
+
+def _load_native(directory: Path, hf_config: dict, config_from_hf, model_class, checkpoint_pieces,
+                 dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """Build on the meta device (no memory, no init), allocate on `device` in `dtype`, then read every weight
+    into place, a tensor at a time (fastppl.models.weights)."""
     try:
         config = config_from_hf(hf_config)
-        with torch.device("meta"):
+        with torch.device("meta"), _NoInitialisation():
             model = model_class(config)
     except KeyError as e:
         raise FastpplError(f"{directory}/config.json: lacks {e}; the checkpoint is corrupt") from None
     except (TypeError, ValueError, AssertionError, RuntimeError) as e:   # a wrong type, a negative size, ...
         raise FastpplError(f"{directory}/config.json: does not describe a valid model ({first_line(e, 160)}); "
                            "the checkpoint is corrupt") from None
-    tied = [name for name, module in model.named_modules()
-            if isinstance(module, nn.Embedding) and module.weight is model.lm_head.weight]
-    model = model.to_empty(device="cpu")
-    for name in tied:   # to_empty unties shared parameters; tie them again
-        model.lm_head.weight = model.get_submodule(name).weight
-    load_state_dict(model, read_state_dict(directory), str(directory))
-    return model.to(dtype).eval()
+    pieces = checkpoint_pieces(model, checkpoint_index(directory), str(directory))   # all checked before allocating
+    _allocate_parameters(model, dtype, device)
+    fill_parameters(model, pieces)
+    return model.eval()
+
+
+def _allocate_parameters(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> None:
+    """Each meta parameter replaced by an uninitialised one on `device` in `dtype`; one shared by two modules (a
+    tied lm_head) stays shared. Not Module.to_empty: its empty_like from meta imported modules for a second."""
+    assert not list(model.buffers()), "the native models keep no buffers"
+    allocated: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, meta in list(module.named_parameters(recurse=False)):
+            if id(meta) not in allocated:
+                allocated[id(meta)] = nn.Parameter(torch.empty(meta.shape, dtype=dtype, device=device),
+                                                   requires_grad=meta.requires_grad)
+            setattr(module, name, allocated[id(meta)])
+
+
+def save_hf_checkpoint(model: nn.Module, directory: os.PathLike, dtype: torch.dtype = torch.float32) -> None:
+    """Write a native GPT-2 or Llama as an HF checkpoint directory (config.json + model.safetensors) in dtype."""
+    from safetensors.torch import save_file
+    from .hf_convert import gpt2_state_dict_to_hf, llama_state_dict_to_hf
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    is_llama = isinstance(model, Llama)
+    state = llama_state_dict_to_hf(model) if is_llama else gpt2_state_dict_to_hf(model)
+    if not is_llama or model.config.tie_word_embeddings:
+        del state["lm_head.weight"]  # tied: safetensors refuses shared storage
+    save_file({k: v.to("cpu", dtype).contiguous() for k, v in state.items()}, str(directory / "model.safetensors"))
+    hf_config = llama_config_to_hf(model.config) if is_llama else gpt2_config_to_hf(model.config)
+    (directory / "config.json").write_text(json.dumps(hf_config, indent=2))
 
 
 def save_hf_gpt2(model: GPT2, directory: os.PathLike) -> None:
-    """Write native weights as an HF GPT-2 checkpoint directory (config.json + model.safetensors)."""
-    from safetensors.torch import save_file
-    from .hf_convert import gpt2_state_dict_to_hf
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    state = gpt2_state_dict_to_hf(model)
-    del state["lm_head.weight"]  # tied: safetensors refuses shared storage
-    save_file({k: v.float().contiguous() for k, v in state.items()}, str(directory / "model.safetensors"))
-    (directory / "config.json").write_text(json.dumps(gpt2_config_to_hf(model.config), indent=2))
+    """Write native GPT-2 weights as an HF checkpoint directory in fp32."""
+    save_hf_checkpoint(model, directory)
