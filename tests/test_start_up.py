@@ -62,11 +62,11 @@ def test_tokenizing_beside_loading_gives_the_result_of_one_after_the_other(token
 
 def test_tokenizing_runs_while_the_model_loads(tokenizer_dir, texts, monkeypatch):
     """load_model waits for the tokenizer to have started: one after the other, it would wait in vain."""
-    tokenizing, real_encode, real_load = threading.Event(), pipeline.encode_cached, pipeline.load_model
+    tokenizing, real_encode, real_load = threading.Event(), pipeline.encode_documents, pipeline.load_model
 
     def encode(*args, **kwargs):
         tokenizing.set()
-        time.sleep(0.3)
+        time.sleep(0.9)   # one call for the corpus's texts
         return real_encode(*args, **kwargs)
 
     def load(*args, **kwargs):
@@ -74,7 +74,7 @@ def test_tokenizing_runs_while_the_model_loads(tokenizer_dir, texts, monkeypatch
         time.sleep(0.6)
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "encode_cached", encode)
+    monkeypatch.setattr(pipeline, "encode_documents", encode)
     monkeypatch.setattr(pipeline, "load_model", load)
     stages = _run(tokenizer_dir, texts)["stage_seconds"]
     assert stages["tokenize"] >= 0.9 and stages["load_model"] >= 0.6   # each stage's own wall time
@@ -104,7 +104,7 @@ def test_the_cuda_start_is_reported_with_its_own_wall_time(tokenizer_dir, texts,
 
 def test_a_model_error_is_reported_without_waiting_for_the_tokenizer(tokenizer_dir, texts, monkeypatch):
     release = threading.Event()
-    monkeypatch.setattr(pipeline, "encode_cached", lambda *a, **k: release.wait(timeout=60))
+    monkeypatch.setattr(pipeline, "encode_documents", lambda *a, **k: release.wait(timeout=60))
 
     def broken(*args, **kwargs):
         raise FastpplError("model.safetensors: cannot be read")
@@ -122,7 +122,7 @@ def test_a_tokenizing_error_is_raised_on_the_callers_thread_after_the_models_che
     def unreadable(*args, **kwargs):
         raise FastpplError("part1.txt: cannot be tokenized")
 
-    monkeypatch.setattr(pipeline, "encode_cached", unreadable)
+    monkeypatch.setattr(pipeline, "encode_documents", unreadable)
     with pytest.raises(FastpplError, match="part1.txt: cannot be tokenized"):
         _run(tokenizer_dir, texts)
     # the model's own errors come first, as when the corpus was tokenized after the model loaded
