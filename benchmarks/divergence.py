@@ -63,6 +63,9 @@ def weights_bytes(args) -> int:
     return sum(p.numel() for p in model.parameters()) * itemsize
 
 
+PEER_LOGITS = 1 << 30   # 4 GiB of fp32 log-probabilities a batch
+
+
 def _log_probabilities(model, input_ids: torch.Tensor, score_mask: torch.Tensor) -> torch.Tensor:
     """(n_scored, V) fp32 log-probabilities at the batch's scored positions."""
     hidden = model(input_ids)[score_mask]                                  # (n_scored, C)
@@ -78,9 +81,12 @@ def peer_run(args, batch_size: int) -> dict:
     tokenizer = load_tokenizer(args.tokenizer)
     tokens = [encode_cached(tokenizer, d.text) for d in load_documents(args.data, args.split)]
     plan = plan_corpus(tokens, tokenizer, "chunked", None, False, args.ctx)
+    reference = load_model(f"random:{args.model}", "native", dtype, args.reference_seed, device)
+    # the peer holds a batch's (rows, ctx, V) log-probabilities: fewer rows than fastppl's batch, so that they
+    # stay near PEER_LOGITS elements
+    batch_size = max(1, min(batch_size, PEER_LOGITS // (args.ctx * reference.lm_head.weight.shape[0])))
     batches = [batch_from_plan(p, plan.refs, plan.stream_ids, plan.target_offsets)
                for p in plan_batches(plan.window_lengths, "padded", args.ctx, batch_size)]
-    reference = load_model(f"random:{args.model}", "native", dtype, args.reference_seed, device)
     reset_peak(device)
     kld_sum, started = 0.0, time.perf_counter()
     with tempfile.TemporaryDirectory(dir=args.logits_dir, prefix="fastppl-peer-") as scratch:

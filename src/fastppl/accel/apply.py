@@ -115,15 +115,13 @@ def tuned_products(model: nn.Module, tuning: cublaslt.TuningChoice) -> Iterator[
 def divergence_score_fn_for(model: nn.Module, reference: nn.Module, acceleration: Acceleration,
                             batching_setting: str, chunk_rows: int = 8192) -> tuple[Acceleration, ScoreFn]:
     """With --reference-model: the reference gets the model's fusions, the batching one both forwards take, and
-    the scorer of both models' divergence (fastppl.engine.divergence): compiled when the run compiles (Inductor
-    fuses the torch formula), else with the Triton kernel where CUDA and Triton are (it reads the logits once
-    more instead of a dozen times, in the model's dtype)."""
+    the scorer of both models' divergence (fastppl.engine.divergence): the torch formula, compiled when the run
+    compiles. (The Triton kernel of engine/divergence_kernel.py, which reads the logits once in the model's dtype,
+    is chosen only once its GPU tests have passed on a GPU.)"""
     from ..engine.divergence import make_divergence_score_fn
-    from ..engine.loss import fused_loss_available
     device = next(reference.parameters()).device
     reference_fusions = apply_fusions(reference, device, acceleration)
-    model_device = next(model.parameters()).device   # where the divergence is computed
-    kernel = "triton" if not acceleration.compiled and fused_loss_available(model_device) else "torch"
+    kernel = "torch"
     acceleration = dataclasses.replace(acceleration, loss=f"chunked projection, divergence in {kernel}")
     if acceleration.batching == "packed" and not takes_document_ids(reference):
         if batching_setting == "packed":

@@ -139,20 +139,23 @@ if triton is not None:
             tl.store(partial + 2 * SEGMENTS * N, target_logit, mask=row_ok)
 
     @triton.jit
-    def _combine_segments_kernel(partial_ptr, out_ptr, N, SEGMENTS: tl.constexpr, BLOCK_S: tl.constexpr,
-                                 BLOCK: tl.constexpr):
-        """Each row's NLL from its segments' statistics, the segments in order (a row's result does not depend
-        on the other rows of its batch)."""
+    def _combine_segments_kernel(partial_ptr, out_ptr, N, SEGMENTS: tl.constexpr, BLOCK: tl.constexpr):
+        """Each row's NLL from its segments' statistics, added one segment after the other: a fixed order per row,
+        whatever layout the compiler picks for the block (a reduction over a (segments, rows) block was summed in
+        another order when N was not a multiple of 16, so a row's NLL changed with the rows beside it)."""
         rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        segments = tl.arange(0, BLOCK_S)
-        ok = (segments[:, None] < SEGMENTS) & (rows[None, :] < N)
-        offsets = segments[:, None] * N + rows[None, :]
-        maxima = tl.load(partial_ptr + offsets, mask=ok, other=float("-inf"))          # (S, BLOCK), base 2
-        sums = tl.load(partial_ptr + SEGMENTS * N + offsets, mask=ok, other=0.0)
-        target_logit = tl.sum(tl.load(partial_ptr + 2 * SEGMENTS * N + offsets, mask=ok, other=0.0), axis=0)
-        row_max = tl.max(maxima, axis=0)
-        total = tl.sum(tl.where(ok, sums * tl.exp2(maxima - row_max[None, :]), 0.0), axis=0)
-        tl.store(out_ptr + rows, (row_max + tl.log2(total)) * LN2 - target_logit, mask=rows < N)
+        ok = rows < N
+        row_max = tl.full((BLOCK,), float("-inf"), tl.float32)                           # base 2
+        for segment in tl.static_range(SEGMENTS):
+            row_max = tl.maximum(row_max, tl.load(partial_ptr + segment * N + rows, mask=ok, other=float("-inf")))
+        total = tl.zeros((BLOCK,), tl.float32)
+        target_logit = tl.zeros((BLOCK,), tl.float32)
+        for segment in tl.static_range(SEGMENTS):
+            at = partial_ptr + segment * N + rows
+            segment_max = tl.load(at, mask=ok, other=float("-inf"))
+            total += tl.load(at + SEGMENTS * N, mask=ok, other=0.0) * tl.exp2(segment_max - row_max)
+            target_logit += tl.load(at + 2 * SEGMENTS * N, mask=ok, other=0.0)
+        tl.store(out_ptr + rows, (row_max + tl.log2(total)) * LN2 - target_logit, mask=ok)
 
 
 VOCABULARY_SEGMENTS = 9
@@ -238,8 +241,7 @@ def fused_token_nll(
         num_warps=num_warps, num_stages=num_stages,
     )
     if segments > 1:
-        _combine_segments_kernel[(triton.cdiv(N, 256),)](partial, out, N, SEGMENTS=segments,
-                                                         BLOCK_S=triton.next_power_of_2(segments), BLOCK=256)
+        _combine_segments_kernel[(triton.cdiv(N, 256),)](partial, out, N, SEGMENTS=segments, BLOCK=256)
     return out
 
 
