@@ -75,6 +75,8 @@ def add_divergence(result: dict, config: EvalConfig, sums: DeviceSums) -> dict:
         "reference_model": config.reference_model,
         "reference_seed": config.seed if config.reference_seed is None else config.reference_seed,
         **divergence_statistics(scored),
+        # the model's figures as the run's own (its float64 device sums), not re-derived from fp32 per-token values
+        "nll": result["nll"], "ppl": result["ppl"],
         "kld_by_position": kld_by_position(sums.position_kld_sum.cpu().numpy(), counts),
         "kld_histogram": kld_histogram(scored[:, KLD_COLUMN].astype(np.float64)),
     }

@@ -188,7 +188,7 @@ def test_a_run_scores_the_same_whether_its_text_is_cut_or_not(shakespeare, token
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif((os.cpu_count() or 1) < 16, reason="the rate is set for the 16-core GPU machine")
+@pytest.mark.skipif((os.cpu_count() or 1) < 16, reason="the rate is set for 16 cores")
 def test_rate_on_many_cores(gpt2, shakespeare):
     """TinyShakespeare 30 times (33 MB, 10.1 M tokens): at least 5 M tokens/s, and the ids of one encode."""
     import time

@@ -125,6 +125,11 @@ def test_cached_run_gives_the_same_result_as_before_and_after_damage(cache, tmp_
     second = json.loads((tmp_path / "r.json").read_text())
     assert (second["nll_sum"], second["tokens_scored"]) == (first["nll_sum"], first["tokens_scored"])
     assert capsys.readouterr().err.count("fastppl: warning: token cache entry") == 1
+    assert second["tokenization"] == "exact, long texts in parallel pieces"   # the damaged entry was tokenized again
+    assert main(args) == 0
+    third = json.loads((tmp_path / "r.json").read_text())
+    assert third["tokenization"] == "from the token cache (an earlier run's ids)"
+    assert (third["nll_sum"], third["tokens_scored"]) == (first["nll_sum"], first["tokens_scored"])
 
 
 def test_ids_outside_the_models_vocabulary_are_one_line():

@@ -116,13 +116,11 @@ def divergence_score_fn_for(model: nn.Module, reference: nn.Module, acceleration
                             batching_setting: str, chunk_rows: int = 8192) -> tuple[Acceleration, ScoreFn]:
     """With --reference-model: the reference gets the model's fusions, the batching one both forwards take, and
     the scorer of both models' divergence (fastppl.engine.divergence): the torch formula, compiled when the run
-    compiles. (The Triton kernel of engine/divergence_kernel.py, which reads the logits once in the model's dtype,
-    is chosen only once its GPU tests have passed on a GPU.)"""
+    compiles."""
     from ..engine.divergence import make_divergence_score_fn
     device = next(reference.parameters()).device
     reference_fusions = apply_fusions(reference, device, acceleration)
-    kernel = "torch"
-    acceleration = dataclasses.replace(acceleration, loss=f"chunked projection, divergence in {kernel}")
+    acceleration = dataclasses.replace(acceleration, loss="chunked projection, divergence in torch")
     if acceleration.batching == "packed" and not takes_document_ids(reference):
         if batching_setting == "packed":
             raise FastpplError("--batching packed needs both models' forwards to take document_ids (the native "
@@ -131,5 +129,5 @@ def divergence_score_fn_for(model: nn.Module, reference: nn.Module, acceleration
             "bucketed (auto: the reference model cannot keep packed documents apart)"))
     if reference_fusions.mlp_epilogue != acceleration.mlp_epilogue:   # a report line for the model under test
         acceleration = dataclasses.replace(acceleration, mlp_epilogue=acceleration.mlp_epilogue + " (model only)")
-    score_fn = make_divergence_score_fn(model, reference, chunk_rows, kernel)
+    score_fn = make_divergence_score_fn(model, reference, chunk_rows)
     return acceleration, compile_score_fn(score_fn) if acceleration.compiled else score_fn

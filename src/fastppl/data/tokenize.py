@@ -26,6 +26,8 @@ class Tokenizer:
     vocab_size: int          # ids are < vocab_size
     # why a long text was tokenised in one piece, not in parallel (fastppl.data.pieces); None while none was
     whole_text_reason: Optional[str] = None
+    texts_from_cache: int = 0   # texts whose ids the token cache gave (how they were cut is not known then)
+    texts_encoded: int = 0
 
     def __post_init__(self):
         # every token of a text is scored: a tokenizer.json that truncates or pads (set for a classifier's inputs)
@@ -88,7 +90,7 @@ def _fingerprint(backend) -> str:
 
 def _file_fingerprint(path: Path) -> str:
     """The fingerprint of a tokenizer read from `path` alone: its bytes and the library that reads them. Hashing
-    the file is cheaper than serialising the tokenizer again (0.13 s on the H200 machine, for GPT-2's)."""
+    the file is cheaper than serialising the tokenizer again (0.13 s on a 16-core host, for GPT-2's)."""
     import tokenizers
     digest = hashlib.sha256(f"tokenizers {tokenizers.__version__}\n".encode())
     digest.update(path.read_bytes())
@@ -132,7 +134,7 @@ TOKENIZER_JSON_CLASSES = (None, "GPT2Tokenizer", "GPT2TokenizerFast", "PreTraine
 
 def _load_tokenizer_json(directory: Path, name: str) -> Optional[Tokenizer]:
     """A local tokenizer.json read by `tokenizers` alone: about 0.1 s, where transformers' AutoTokenizer
-    took 6.8 s on the H200 machine (its import, then rebuilding the tokenizer).
+    took 6.8 s on a 16-core host (its import, then rebuilding the tokenizer).
     None when the directory's tokenizer_config.json asks for more than the file holds (a custom class,
     or options that transformers applies on top of tokenizer.json), so transformers loads it instead."""
     import json
@@ -259,6 +261,8 @@ def encode_documents(tokenizer: Tokenizer, texts: list[str], use_cache: bool = T
             entries[i] = (entry_path(cache_dir(), tokenizer.fingerprint, digest), digest)
     ids = [_cached_ids(tokenizer, *entry) if entry else None for entry in entries]
     missing = [i for i, found in enumerate(ids) if found is None]
+    tokenizer.texts_from_cache += len(texts) - len(missing)
+    tokenizer.texts_encoded += len(missing)
     for i, encoded in zip(missing, tokenizer.encode_many([texts[i] for i in missing]) if missing else []):
         ids[i] = encoded
         if entries[i]:

@@ -26,23 +26,18 @@ def chunked_divergence(
     reference_weight: torch.Tensor,    # (V, C')
     targets: torch.Tensor,             # (N,) int64
     bias: Optional[torch.Tensor] = None, reference_bias: Optional[torch.Tensor] = None,
-    chunk_rows: int = 8192, kernel: str = "torch",
+    chunk_rows: int = 8192,
 ) -> torch.Tensor:
     """(N, 5) fp32, the COLUMNS: -ln p_B(target), -ln p_A(target), KL(A ‖ B) = Σ_v p_A(v) (ln p_A(v) - ln p_B(v)),
     1.0 where argmax p_A = argmax p_B (the lowest id on a tie, as torch.argmax picks), p_B(target) - p_A(target).
     Identical logits give a KL of exactly 0: each term is p_A(v) times a difference of equal numbers.
-    kernel: "torch" (any device; the logits upcast to fp32), or "triton" (fastppl.engine.divergence_kernel: CUDA,
-    or Triton's interpreter; it reads the logits in the model's dtype)."""
+    The logits are upcast to fp32 a chunk of rows at a time."""
     pieces = []
     for begin in range(0, hidden.shape[0], chunk_rows):
         rows = slice(begin, begin + chunk_rows)
         logits = F.linear(hidden[rows], weight, bias)                                            # (c, V)
         reference_logits = F.linear(reference_hidden[rows], reference_weight, reference_bias)    # (c, V)
-        if kernel == "triton":
-            from .divergence_kernel import divergence_of_logits_triton
-            pieces.append(divergence_of_logits_triton(logits, reference_logits, targets[rows]))
-        else:
-            pieces.append(_divergence_of_logits(logits.float(), reference_logits.float(), targets[rows]))
+        pieces.append(_divergence_of_logits(logits.float(), reference_logits.float(), targets[rows]))
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
@@ -76,7 +71,7 @@ def _divergence_of_logits(logits: torch.Tensor, reference_logits: torch.Tensor,
     return torch.stack([nll, reference_nll, kld, same_top1.double(), delta_p], dim=1).float()
 
 
-def make_divergence_score_fn(model: nn.Module, reference: nn.Module, chunk_rows: int = 8192, kernel: str = "torch"):
+def make_divergence_score_fn(model: nn.Module, reference: nn.Module, chunk_rows: int = 8192):
     """A scorer as fastppl.engine.score.make_score_fn's, whose output is (B, T, 5) fp32 (the COLUMNS, 0 where not
     scored) instead of (B, T): column 0 is the model's NLL, which every NLL sum reads. Both models read the same
     rows (and packed rows' positions and documents). A reference on a device of its own runs its forward there;
@@ -101,12 +96,12 @@ def make_divergence_score_fn(model: nn.Module, reference: nn.Module, chunk_rows:
         reference_hidden, targets = reference_hidden.reshape(B * T, -1), targets.reshape(B * T)
         if scored_rows is None:
             values = chunked_divergence(hidden, model.lm_head.weight, reference_hidden, reference_weight, targets,
-                                        bias, reference_bias, chunk_rows, kernel)             # (B * T, 5)
+                                        bias, reference_bias, chunk_rows)             # (B * T, 5)
             return torch.where(score_mask[..., None], values.view(B, T, len(COLUMNS)), 0.0)
         # the vocabulary products on the scored rows only: a sliding window's context and padding rows skip them
         values = chunked_divergence(
             hidden.index_select(0, scored_rows), model.lm_head.weight, reference_hidden.index_select(0, scored_rows),
-            reference_weight, targets.index_select(0, scored_rows), bias, reference_bias, chunk_rows, kernel)
+            reference_weight, targets.index_select(0, scored_rows), bias, reference_bias, chunk_rows)
         return values.new_zeros(B * T, len(COLUMNS)).index_copy_(0, scored_rows, values).view(B, T, len(COLUMNS))
 
     # the scoring loop passes scored_rows= (fastppl.engine.score.scored_rows_of); a compiled scorer takes none

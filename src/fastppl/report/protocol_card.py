@@ -2,25 +2,24 @@
 rule, tail, normaliser, datasets), and under --protocol the figures as that protocol's own tool prints them."""
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 from ..data.protocols import Protocol
 from ..data.streams import WindowPlan, sliding_stride
 from ..data.tokenize import Tokenizer
 from .metrics import perplexity
+from .stats import mean_standard_error
 
 
 def llama_cpp_estimate(nll_sum: float, nll_sq_sum: float, count: int) -> tuple[float, Optional[float]]:
     """llama-perplexity's final estimate, computed as it computes it: with mean = sum / count and
     mean_sq = sum of squares / count, PPL = exp(mean) and +/- = PPL * sqrt((mean_sq - mean^2) / (count - 1)).
     The +/- is None where that variance is not positive (llama.cpp prints an error instead)."""
-    mean, mean_sq = nll_sum / count, nll_sq_sum / count
-    ppl = perplexity(mean)
-    variance = mean_sq - mean * mean
-    if not variance > 0 or count < 2:
+    ppl = perplexity(nll_sum / count)
+    mean = nll_sum / count
+    if count < 2 or not nll_sq_sum / count - mean * mean > 0:
         return ppl, None
-    return ppl, math.sqrt(variance / (count - 1)) * ppl
+    return ppl, mean_standard_error(nll_sum, nll_sq_sum, count) * ppl
 
 
 def _token(tokenizer: Tokenizer, token_id: Optional[int]) -> str:

@@ -132,6 +132,16 @@ def error_bars(config, documents: list[Document], tokens: list[np.ndarray], toke
     return fields
 
 
+def tokenization_note(tokenizer: Tokenizer) -> str:
+    """How the corpus was tokenized: long texts in parallel pieces (fastppl.data.pieces) unless the tokenizer
+    allows no exact cut; texts the token cache gave were tokenized by an earlier run."""
+    if tokenizer.whole_text_reason:
+        return f"whole texts: {tokenizer.whole_text_reason}"
+    if tokenizer.texts_encoded == 0 and tokenizer.texts_from_cache:
+        return "from the token cache (an earlier run's ids)"
+    return "exact, long texts in parallel pieces"
+
+
 def assemble_result(config, device: torch.device, dtype: torch.dtype, documents: list[Document], corpus_digest: str,
                     tokens: list[np.ndarray], tokenizer: Tokenizer, model: nn.Module, plan: WindowPlan,
                     acceleration, scored: Scored, *, ctx: int, kv_cache: str, use_kv_cache: bool,
@@ -152,8 +162,7 @@ def assemble_result(config, device: torch.device, dtype: torch.dtype, documents:
         **error_bars(config, documents, tokens, tokenizer, plan, scored.sums, scored.nll_sum, bytes_by_document),
         "documents": len(documents), "corpus_sha256": corpus_digest,
         # long texts go through the tokenizer in parallel pieces (fastppl.data.pieces) unless it allows no exact cut
-        "tokenization": f"whole texts: {tokenizer.whole_text_reason}" if tokenizer.whole_text_reason
-        else "exact, long texts in parallel pieces",
+        "tokenization": tokenization_note(tokenizer),
         "documents_skipped": len(documents) - len(plan.scored_documents), "windows": len(plan.refs),
         **how_it_ran(acceleration, scored, plan, model, device, dtype, use_kv_cache, window, kv_cache),
         "wall_seconds": time.perf_counter() - started, "scoring_seconds": scored.seconds,
