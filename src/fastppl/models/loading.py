@@ -18,7 +18,7 @@ from .hf_backend import HFCausalLM
 from .hf_convert import (LLAMA_MODEL_TYPES, gpt2_config_from_hf, gpt2_config_to_hf, gpt2_native_gaps, gpt2_pieces,
                          llama_config_from_hf, llama_config_to_hf, llama_pieces, llama_unsupported)
 from .llama import PRESETS as LLAMA_PRESETS, Llama
-from .weights import StoredTensor, fill_parameters, index_checkpoint
+from .weights import StoredTensor, fill_parameters, index_checkpoint, safetensors_index
 
 NATIVE_MODEL_TYPES = ("gpt2",) + LLAMA_MODEL_TYPES
 RANDOM_PREFIX = "random:"
@@ -137,13 +137,11 @@ _SIZE_KEYS = {"gpt2": ("n_layer", "vocab_size", "n_embd", "wte.weight"),
 def _safetensors_shapes(directory: Path) -> dict[str, tuple]:
     """{name: shape} from the safetensors headers, no weight read; {} without safetensors or where a header is
     damaged (checkpoint_index then says so)."""
-    from safetensors import safe_open
     shapes = {}
     for file in _weight_files(directory, "model.safetensors", "*.safetensors"):
         try:
-            with safe_open(str(file), framework="pt") as handle:
-                shapes.update({name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()})
-        except Exception:   # safetensors raises several types for a damaged header
+            shapes.update({name: stored.shape for name, stored in safetensors_index(file).items()})
+        except FastpplError:
             return {}
     return shapes
 

@@ -61,7 +61,7 @@ def _corrupt(file: Path, reason: str) -> FastpplError:
                         "download it again")
 
 
-def _safetensors_index(file: Path) -> dict[str, StoredTensor]:
+def safetensors_index(file: Path) -> dict[str, StoredTensor]:
     """The header of a safetensors file (8 bytes of little-endian length, then JSON): every tensor's dtype, shape
     and byte offset, checked against the file's size; no weight is read."""
     size = file.stat().st_size
@@ -103,7 +103,7 @@ def index_checkpoint(files: list[Path]) -> dict[str, StoredTensor]:
     """{name: StoredTensor} over a checkpoint's files (safetensors: their headers; .bin: memory-mapped)."""
     index: dict[str, StoredTensor] = {}
     for file in files:
-        index.update(_safetensors_index(file) if file.suffix == ".safetensors" else _bin_index(file))
+        index.update(safetensors_index(file) if file.suffix == ".safetensors" else _bin_index(file))
     return index
 
 
