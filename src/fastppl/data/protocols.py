@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from ..config import PROTOCOL_WINDOWS
 from ..errors import FastpplError
 from .corpus import (HF_PREFIX, Document, Fields, decode_utf8, jsonl_documents, load_documents, parse_hf_source,
                      read_bytes)
@@ -32,7 +33,6 @@ from .hf_datasets import hf_rows
 @dataclass(frozen=True)
 class Protocol:
     name: str
-    window: str                       # chunked | sliding | blocks, see fastppl.data.windows
     reference: str                    # the code whose loop it reproduces
     join: Optional[str] = None        # the documents become one text, joined by this; None: scored apart
     one_text: bool = False            # the corpus must be one text (llama-perplexity -f FILE)
@@ -44,16 +44,21 @@ class Protocol:
     detokenize: bool = False          # lm-eval's wikitext detokenizer on the scored text
     text_field: str = "text"          # the default --text-field
 
+    @property
+    def window(self) -> str:
+        """chunked | sliding | blocks (fastppl.data.windows): the one table of them is config.PROTOCOL_WINDOWS."""
+        return PROTOCOL_WINDOWS[self.name]
+
 
 PROTOCOLS = {p.name: p for p in (
-    Protocol("lm-eval-rolling", "chunked", "lm-evaluation-harness loglikelihood_rolling"),
-    Protocol("hf-guide", "sliding", "Hugging Face guide 'Perplexity of fixed-length models'", join="\n\n",
+    Protocol("lm-eval-rolling", "lm-evaluation-harness loglikelihood_rolling"),
+    Protocol("hf-guide", "Hugging Face guide 'Perplexity of fixed-length models'", join="\n\n",
              tokenizer_bos=True),
-    Protocol("gptq", "blocks", "IST-DASLab/gptq datautils.py and the eval loop of llama.py/opt.py", join="\n\n",
+    Protocol("gptq", "IST-DASLab/gptq datautils.py and the eval loop of llama.py/opt.py", join="\n\n",
              tokenizer_bos=True),
-    Protocol("llama.cpp", "blocks", "llama.cpp tools/perplexity/perplexity.cpp perplexity()", one_text=True,
+    Protocol("llama.cpp", "llama.cpp tools/perplexity/perplexity.cpp perplexity()", one_text=True,
              tokenizer_bos=True, bos_each_block=True, score_second_half=True, min_blocks=2),
-    Protocol("lm-eval-wikitext", "chunked", "lm-evaluation-harness lm_eval/tasks/wikitext", detokenize=True,
+    Protocol("lm-eval-wikitext", "lm-evaluation-harness lm_eval/tasks/wikitext", detokenize=True,
              text_field="page"),
 )}
 
