@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+from .tables import format_table
+
 
 def _figure(value, spec: str) -> str:
     """value by spec; n/a where it is unknown (NaN: no bytes, nothing timed), and in e-notation from 1e12 on, where
@@ -82,7 +84,4 @@ def groups_table(groups: dict) -> str:
         rows.append((f"({average} average)", f"{g['documents']:,}", f"{g['tokens']:,}", f"{g['nll']:.6f}",
                      _figure(g["ppl"], ".4f"), _figure(g["bits_per_byte"], ".6f")))
     headers = (f"by {groups['field']}", "documents", "tokens", "nll", "ppl", "bits/byte")
-    widths = [max(len(r[i]) for r in (headers, *rows)) for i in range(len(headers))]
-    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
-                                   for i, (c, w) in enumerate(zip(cells, widths)))
-    return "\n".join(["", line(headers), *(line(r) for r in rows)])
+    return "\n" + format_table(headers, rows, markdown=False, right=[False] + [True] * (len(headers) - 1))
