@@ -105,3 +105,9 @@ def test_weight_files_follow_the_index_only():
 
 def test_every_tokenizer_file_is_downloaded_with_a_checkpoint():
     assert set(TOKENIZER_FILES) <= set(HUB_CONFIG_FILES)
+
+
+def test_a_hub_model_brings_every_file_the_tokenizer_loader_reads():
+    from fastppl.data.tokenize import TOKENIZER_FILES
+    from fastppl.models.hub import HUB_CONFIG_FILES
+    assert set(TOKENIZER_FILES) <= set(HUB_CONFIG_FILES)

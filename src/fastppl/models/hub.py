@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 # besides the weights, what a checkpoint's run reads: its config and the files the tokenizer loader may read
-# (fastppl.data.tokenize.TOKENIZER_FILES)
+# (fastppl.data.tokenize.TOKENIZER_FILES: models/ does not import data/, and a test holds the two together)
 HUB_CONFIG_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                     "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "*.model",
                     "*.tiktoken"]
@@ -18,7 +18,7 @@ ANY_FORMAT = ["*.json", "*.safetensors", "*.bin", "*.txt", "*.model", "*.tiktoke
 
 
 def hub_weight_files(repo_files: list[str], read_index) -> list[str]:
-    """The weight files of one format, those fastppl.models.loading.read_state_dict reads: safetensors when the
+    """The weight files of one format, those fastppl.models.loading.checkpoint_index reads: safetensors when the
     repo has them, else pytorch_model*.bin; an index and its shards, else the single file, else every file of the
     pattern at the top level. read_index(name) -> the index's parsed JSON."""
     top = [name for name in repo_files if "/" not in name]
