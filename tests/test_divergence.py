@@ -73,10 +73,10 @@ def token_ids(tokenizer_dir, text) -> list[int]:
 
 
 def _evaluate(tokenizer_dir, data, preset="gpt2-tiny", reference_seed=1, **kwargs) -> dict:
+    settings = dict(device="cpu", dtype="fp32", quiet=True, per_token="unused.npy") | kwargs
     return evaluate(EvalConfig(model=f"random:{preset}", reference_model=f"random:{preset}",
                                reference_seed=reference_seed, data=[str(d) for d in data],
-                               tokenizer=str(tokenizer_dir), device="cpu", dtype="fp32", quiet=True,
-                               per_token="unused.npy", **kwargs))
+                               tokenizer=str(tokenizer_dir), **settings))
 
 
 # ------------------------------------------------------------------------------------------------ brute force

@@ -2,6 +2,7 @@
 documents, the metrics' arithmetic and the JSON report's fields."""
 import json
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -183,6 +184,18 @@ def test_json_report_fields(tmp_path, tokenizer_dir, text_path):
     assert env["fastppl"] == fastppl.__version__ and env["torch"] == torch.__version__ and env["device"] == "cpu"
     assert result["ctx"] == CTX and result["window"] == "chunked" and result["dtype"] == "float32"
     assert len(result["nll_by_position"]) == CTX
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux: getrusage's peak survives fork and exec")
+def test_host_peak_is_the_programs_own_not_its_parents():
+    """A process started by one that holds a lot (a benchmark that built the checkpoint, a notebook) reports its
+    own peak: getrusage's ru_maxrss gives the parent's resident memory at the fork when that was larger."""
+    import subprocess
+    held = bytearray(800 * 2**20)
+    held[::4096] = b"\1" * len(held[::4096])   # resident, not only reserved
+    code = "from fastppl.report.result import peak_host_memory_bytes as peak; print(peak())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert int(done.stdout) < 500 * 2**20 < len(held)   # the child imports torch: about 230 MB
 
 
 def test_ctx_defaults_to_the_model_maximum(tokenizer_dir, text_path):

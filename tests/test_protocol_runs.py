@@ -148,12 +148,15 @@ def test_cli_summary_and_errors(tmp_path, tokenizer_dir, shakespeare, capsys):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_llama_cpp_on_cuda_equals_the_cpu_run(tmp_path, tokenizer_dir, shakespeare):
-    """On CUDA the fused loss runs on the scored rows only (half of each block here): fp32 equals the CPU."""
-    path = tmp_path / "wiki.test.raw"
+    """On CUDA the fused loss runs on the scored rows only (half of each block here): fp32 equals the CPU. One
+    saved checkpoint: random: weights are drawn on the run's device, so a CUDA run's differ from a CPU run's."""
+    from fastppl.models.loading import random_gpt2, save_hf_gpt2
+    path, model = tmp_path / "wiki.test.raw", tmp_path / "model"
     path.write_text(shakespeare.read_text()[:20000])
-    cpu = run(tokenizer_dir, [path], "llama.cpp", ctx=128)
-    cuda = evaluate(EvalConfig(model=MODEL, data=[str(path)], tokenizer=str(tokenizer_dir), device="cuda",
-                               dtype="fp32", quiet=True, ctx=128, protocol="llama.cpp"))
+    save_hf_gpt2(random_gpt2(MODEL.removeprefix("random:"), 0), model)
+    cpu, cuda = (evaluate(EvalConfig(model=str(model), data=[str(path)], tokenizer=str(tokenizer_dir), device=device,
+                                     dtype="fp32", quiet=True, ctx=128, protocol="llama.cpp"))
+                 for device in ("cpu", "cuda"))
     assert cuda["tokens_scored"] == cpu["tokens_scored"] and cuda["loss"] == "fused"
     assert cuda["protocol"]["reported"]["ppl"] == pytest.approx(cpu["protocol"]["reported"]["ppl"], rel=1e-4)
     assert cuda["protocol"]["reported"]["ppl_plus_minus"] == pytest.approx(

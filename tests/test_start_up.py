@@ -146,3 +146,22 @@ def test_on_cuda_a_checkpoint_loaded_straight_to_the_gpu_beside_tokenizing_gives
     monkeypatch.setattr(pipeline, "load_model", lambda *args: real_load(*args[:4], "cpu"))
     sequential = _run(tokenizer_dir, texts, **overrides)
     assert overlapped["nll_sum"] == sequential["nll_sum"] and overlapped["tokens_scored"] == sequential["tokens_scored"]
+
+
+def test_the_command_reports_the_process_start_before_evaluate(tokenizer_dir, texts, tmp_path):
+    import json
+    from fastppl.cli import main
+    report = tmp_path / "report.json"
+    assert main(["eval", "--model", "random:gpt2-tiny", "--tokenizer", str(tokenizer_dir), "--data", str(texts[0]),
+                 "--ctx", "32", "--device", "cpu", "--quiet", "--json", str(report)]) == 0
+    stages = json.loads(report.read_text())["stage_seconds"]
+    assert stages["start_up"] > 0 and set(MAIN_THREAD_STAGES) <= set(stages)
+
+
+def test_the_process_age_counts_from_the_interpreters_start():
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", "import time; time.sleep(0.6); "
+                           "from fastppl.report.result import seconds_since_process_start as s; print(s())"],
+                          capture_output=True, text=True, timeout=120)
+    assert 0.55 <= float(done.stdout) < 60

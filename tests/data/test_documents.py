@@ -173,6 +173,20 @@ def test_lm_eval_word_count_rule():
     assert lm_eval_word_count("a\r\nb") == 2
 
 
+@pytest.mark.parametrize("alphabet", ["ab \t\n\r\x0b\x1c\x1f", "ab \t\n\x1c\x85\u3000\u00a0\u2028é"],
+                         ids=["ascii", "unicode"])
+def test_lm_eval_word_count_is_re_split_on_any_text(monkeypatch, alphabet):
+    """Counted in chunks of 7 characters (runs of whitespace across a chunk's end count once), or by str.split."""
+    import random
+    import re
+    import fastppl.report.metrics as metrics
+    monkeypatch.setattr(metrics, "_CHUNK_CHARS", 7)
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 40)))
+        assert lm_eval_word_count(text) == len(re.split(r"\s+", text)), repr(text)
+
+
 def test_per_doc_file_and_json(tokenizer_dir, corpus_dir, tmp_path):
     per_doc, report = tmp_path / "docs.jsonl", tmp_path / "r.json"
     rc = main(["eval", "--model", "random:gpt2-tiny", "--tokenizer", str(tokenizer_dir), "--data", str(corpus_dir),

@@ -185,6 +185,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from ..distributed import init_distributed, is_main_process, stop_all_on_failure
     from ..pipeline import evaluate
     from ..report.files import all_or_nothing, write_json, write_jsonl, write_npy
+    from ..report.result import seconds_since_process_start
     from ..report.summary import summary
 
     @stop_all_on_failure   # under torchrun, rank 0's output check stops the other ranks too
@@ -195,7 +196,10 @@ def run_eval(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     check_outputs_once()
+    start_up = seconds_since_process_start()
     result = evaluate(config)
+    if start_up is not None:   # the interpreter's start and the imports, before evaluate's stages
+        result["stage_seconds"]["start_up"] = start_up
     if not is_main_process():
         return 0   # only rank 0 prints and writes
     per_token = result.pop("_per_token", None)
