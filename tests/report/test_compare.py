@@ -424,3 +424,11 @@ def test_a_malformed_bootstrap_field_is_a_one_line_error(tmp_path, capsys):
     a, b = write(tmp_path / "a.json", good), write(tmp_path / "b.json", bad)
     assert main(["compare", a, b]) == 2
     assert "b.json: its 'bootstrap' field is not one fastppl eval --bootstrap writes" in one_line_error(capsys)
+
+
+def test_a_per_doc_file_written_with_raw_unicode_line_separators_reads_as_its_lines(tmp_path):
+    """An id holding U+2028 written raw (json.dumps(..., ensure_ascii=False)) stays one record: lines end at \\n."""
+    path = tmp_path / "docs.jsonl"
+    records = [{"id": "a\u2028b", "tokens": 3, "nll_sum": 6.0}, {"id": "c\x85d", "tokens": 2, "nll_sum": 2.0}]
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    assert [(d.id, d.tokens) for d in load_per_doc(str(path))] == [("a\u2028b", 3), ("c\x85d", 2)]

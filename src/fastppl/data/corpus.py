@@ -19,6 +19,7 @@ import numpy as np
 
 from ..config import cache_dir
 from ..errors import FastpplError, first_line, is_link_loop, no_such
+from ..jsonl import json_lines
 from .hf_datasets import check_texts, load_hf_dataset
 
 
@@ -252,14 +253,7 @@ def builtin_path(name: str, data_dir: Optional[str]) -> Path:
 
 def jsonl_documents(raw_text: str, path: Path, fields: Fields) -> list[Document]:
     documents, fallback_ids, text_field = [], [], fields.text
-    # split on \n only: str.splitlines() also splits on U+2028, U+0085, ... that JSON strings may hold raw
-    for line_number, line in enumerate(raw_text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise FastpplError(f"{path}:{line_number}: not valid JSON ({e.msg}); fix the line") from None
+    for line_number, record in json_lines(raw_text, path, "fix the line"):
         if not isinstance(record, dict) or text_field not in record:
             raise FastpplError(
                 f"{path}:{line_number}: no field {text_field!r}; pass --text-field NAME"

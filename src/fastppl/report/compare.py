@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..errors import FastpplError, no_such
+from ..jsonl import json_lines
 # fastppl.plot imports matplotlib only inside the functions that draw
 from .plot import check_plot_path, comparison_figure, corpus_label, model_label, save_figure
 from .paired import paired_table, per_token_comparable, plus_minus, same_text
@@ -222,14 +223,8 @@ def runs_table(runs: Sequence[Run], markdown: bool = False) -> str:
 def load_per_doc(path: str) -> list[DocResult]:
     """One JSON object per line with at least id, tokens and nll_sum (and optionally bytes, words)."""
     documents, seen = [], set()
-    for number, line in enumerate(_read_text(path, "per-document .jsonl written by fastppl eval --per-doc")
-                                  .splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise FastpplError(f"{path}:{number}: not valid JSON ({e.msg}); pass a fastppl --per-doc file") from None
+    text = _read_text(path, "per-document .jsonl written by fastppl eval --per-doc")
+    for number, record in json_lines(text, path, "pass a fastppl --per-doc file"):
         if not isinstance(record, dict):
             raise FastpplError(f"{path}:{number}: not a JSON object; pass a fastppl --per-doc file")
         missing = [f for f in REQUIRED_DOC_FIELDS if f not in record]
