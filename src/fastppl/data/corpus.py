@@ -19,8 +19,8 @@ import numpy as np
 
 from ..config import cache_dir
 from ..errors import FastpplError, first_line, is_link_loop, no_such
-from ..jsonl import json_lines
 from .hf_datasets import check_texts, load_hf_dataset
+from .jsonl import json_lines
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..errors import FastpplError, no_such
-from ..jsonl import json_lines
+from ..data.jsonl import json_lines
 # fastppl.plot imports matplotlib only inside the functions that draw
 from .plot import check_plot_path, comparison_figure, corpus_label, model_label, save_figure
 from .paired import paired_table, per_token_comparable, plus_minus, same_text

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from typing import Iterator
 
-from .errors import FastpplError
+from ..errors import FastpplError
 
 
 def json_lines(text: str, path, fix: str) -> Iterator[tuple[int, object]]:
