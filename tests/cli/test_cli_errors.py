@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -838,3 +839,19 @@ def test_nproc_checks_data_and_outputs_before_starting_torchrun(tmp_path, text, 
     assert rc == 2 and "missing.txt: no such file" in err and err.count("\n") == 1, err
     rc, err = _main(capsys, [*base, "--data", str(text), "--json", str(tmp_path / "no-dir" / "r.json")])
     assert rc == 2 and "does not exist" in err and err.count("\n") == 1, err
+
+
+def test_a_hub_id_with_the_hub_unreachable_fails_at_once_in_one_line(text, tokenizer_dir, tmp_path):
+    """Online but with no route to the hub (here a closed local port): one request, not a retry loop that printed
+    five warnings over 23 s before the error."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
+               HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"))
+    for offline in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):   # either makes huggingface_hub offline
+        env.pop(offline, None)
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "fastppl", "eval", "--model", "no-such-org/no-such-model",
+                           "--tokenizer", str(tokenizer_dir), "--data", str(text), "--device", "cpu", "--quiet"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("fastppl: error: unknown model 'no-such-org/no-such-model'")
+    assert time.perf_counter() - started < 15

@@ -1,6 +1,7 @@
 """Hub downloads fetch one weight format (safetensors when the repo has them, following the index, else .bin), the
 config and the tokenizer files, and nothing else; huggingface_hub is replaced by a stand-in that serves a listing."""
 import json
+from types import SimpleNamespace
 
 import huggingface_hub
 import pytest
@@ -43,8 +44,8 @@ def fake_hub(tmp_path, monkeypatch):
     its allow_patterns select (as huggingface_hub filters them) and records them."""
     state = {"downloaded": None, "files": []}
 
-    def list_repo_files(repo_id, **kwargs):
-        return state["files"]
+    def model_info(repo_id, **kwargs):
+        return SimpleNamespace(siblings=[SimpleNamespace(rfilename=name) for name in state["files"]])
 
     def hf_hub_download(repo_id, filename, **kwargs):
         path = tmp_path / "index" / filename
@@ -61,7 +62,7 @@ def fake_hub(tmp_path, monkeypatch):
             (snapshot / name).write_text("{}")
         return str(snapshot)
 
-    monkeypatch.setattr(huggingface_hub, "list_repo_files", list_repo_files)
+    monkeypatch.setattr(huggingface_hub, "model_info", model_info)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     return state
@@ -79,7 +80,7 @@ def test_offline_the_cached_snapshot_serves(fake_hub, monkeypatch):
     """Without a listing (offline), the download is asked for every format: the cache answers with what it holds."""
     def offline(repo_id, **kwargs):
         raise huggingface_hub.errors.OfflineModeIsEnabled("offline")
-    monkeypatch.setattr(huggingface_hub, "list_repo_files", offline)
+    monkeypatch.setattr(huggingface_hub, "model_info", offline)
     fake_hub["files"] = ["config.json", "model.safetensors"]
     resolve_checkpoint_dir("org/model")
     assert fake_hub["downloaded"] == ["config.json", "model.safetensors"]
@@ -88,7 +89,7 @@ def test_offline_the_cached_snapshot_serves(fake_hub, monkeypatch):
 def test_an_unknown_repo_is_one_line(fake_hub, monkeypatch):
     def missing(repo_id, **kwargs):
         raise OSError("404 Client Error: Repository Not Found")
-    monkeypatch.setattr(huggingface_hub, "list_repo_files", missing)
+    monkeypatch.setattr(huggingface_hub, "model_info", missing)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", missing)
     with pytest.raises(FastpplError, match="unknown model 'org/nothing'.*Repository Not Found.*--model PATH"):
         resolve_checkpoint_dir("org/nothing")

@@ -36,10 +36,13 @@ def hub_weight_files(repo_files: list[str], read_index) -> list[str]:
 
 def hub_patterns(repo_id: str) -> list[str]:
     """What to download of a hub model: one weight format, the config and the tokenizer files."""
-    from huggingface_hub import hf_hub_download, list_repo_files
+    from huggingface_hub import hf_hub_download, model_info
     try:
-        files = list_repo_files(repo_id)
+        # the model's file list in one request: list_repo_files retried a lost network for 23 s, 5 lines of warnings
+        files = [sibling.rfilename for sibling in model_info(repo_id).siblings or []]
     except Exception:   # offline (the cache serves), or a bad id, which the download then names
+        return ANY_FORMAT
+    if not files:   # a listing without the files: the download is asked for every format
         return ANY_FORMAT
     weights = hub_weight_files(files, lambda name: json.loads(Path(hf_hub_download(repo_id, name)).read_text()))
     return HUB_CONFIG_FILES + [glob.escape(name) for name in weights]
