@@ -290,7 +290,7 @@ def test_the_fused_scorer_runs_the_loss_on_the_scored_positions_only(monkeypatch
     from fastppl.data.batching import iter_batches
     from fastppl.data.windows import sliding_windows
     model = random_gpt2("gpt2-tiny").eval()
-    ctx, stride, n_tokens = 64, 16, 240
+    ctx, stride, n_tokens = 64, 16, 160   # 7 windows: a batch of 5, then 2 and 3 padding rows
     stream = np.random.default_rng(2).integers(0, 50257, n_tokens)
     refs = [WindowRef(0, w) for w in sliding_windows(n_tokens, ctx, stride)]
     rows_in, real_kernel = [], fused_loss.fused_token_nll
