@@ -160,6 +160,20 @@ def _env(**extra) -> dict:
     return env
 
 
+def run_cli_jobs_on_two_ranks(jobs: list, tmp_path, timeout: int) -> subprocess.CompletedProcess:
+    """Every (argv, exit code) job through the CLI in one torchrun job of 2 processes, started once; the finished
+    job, whose stderr holds every rank's."""
+    runner = tmp_path / "run_cases.py"
+    runner.write_text("import json, sys\nfrom fastppl.cli import main\n"
+                      "for argv, rc in json.load(open(sys.argv[1])):\n    assert main(argv) == rc, argv\n")
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(runner), str(tmp_path / "jobs.json")], env=_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 def _corpus(tmp_path):
     text = tmp_path / "text.txt"
     text.write_text(TEXT)
@@ -232,14 +246,7 @@ def test_two_ranks_equal_one_process(tmp_path, tokenizer_dir):
     # which every rank validates alike and rejects with the same error before any collective
     jobs = [(argv + _outputs(two, name), 0) for name, argv in cases.items()]
     jobs.append((cases["chunked"] + ["--ctx", "1000"] + _outputs(two, "bad"), 2))
-    runner = tmp_path / "run_cases.py"
-    runner.write_text("import json, sys\nfrom fastppl.cli import main\n"
-                      "for argv, rc in json.load(open(sys.argv[1])):\n    assert main(argv) == rc, argv\n")
-    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(runner), str(tmp_path / "jobs.json")], env=_env(), capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_cli_jobs_on_two_ranks(jobs, tmp_path, timeout=120)
     for name in cases:
         _assert_same(one, two, name)
     bad = "fastppl: error: --ctx 1000 exceeds the model's maximum of 256 positions; lower --ctx"

@@ -320,9 +320,7 @@ def test_refusals_are_one_line(tmp_path, tokenizer_dir, text_path, capsys, monke
 def test_two_ranks_equal_one_process(tmp_path, tokenizer_dir, text_path):
     """Each rank scores its share of the batches; the per-token values are merged before any statistic, so two
     gloo processes on the CPU give rank 0 the one process' report and columns, bit for bit."""
-    import subprocess
-    import sys
-    from test_distributed import _env
+    from test_distributed import run_cli_jobs_on_two_ranks
     docs = tmp_path / "docs.jsonl"
     docs.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
     common = ["--model", "random:gpt2-tiny", "--reference-model", "random:gpt2-tiny", "--reference-seed", "1",
@@ -336,15 +334,8 @@ def test_two_ranks_equal_one_process(tmp_path, tokenizer_dir, text_path):
     two.mkdir()
     for name, argv in cases.items():
         assert main(["eval", *common, *argv, *outputs(one, name)]) == 0
-    jobs = [["eval", *common, *argv, *outputs(two, name)] for name, argv in cases.items()]
-    runner = tmp_path / "run_cases.py"
-    runner.write_text("import json, sys\nfrom fastppl.cli import main\n"
-                      "for argv in json.load(open(sys.argv[1])):\n    assert main(argv) == 0, argv\n")
-    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(runner), str(tmp_path / "jobs.json")], env=_env(), capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_cli_jobs_on_two_ranks([(["eval", *common, *argv, *outputs(two, name)], 0) for name, argv in cases.items()],
+                              tmp_path, timeout=300)
     for name in cases:
         a, b = (json.loads((where / f"{name}.json").read_text()) for where in (one, two))
         assert b["world_size"] == 2 and a["divergence"]["tokens"] == a["tokens_scored"]
