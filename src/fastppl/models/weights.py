@@ -1,10 +1,19 @@
-"""Checkpoint tensors read one at a time into a model built on the meta device, on the run's device and in its
-dtype: the file's bytes go straight into the parameter where layouts agree, else through one buffer the size of
-one tensor, so that loading holds the model once (not the file, an fp32 copy and the model)."""
+"""Checkpoint tensors read into a model built on the meta device, on the run's device and in its dtype, so that
+loading holds the model once (not the file, an fp32 copy and the model).
+
+On the CPU each tensor is read on its own: the file's bytes go straight into the parameter where layouts agree,
+else through one buffer the size of one tensor. Onto a GPU the bytes stream through a small ring of pinned staging
+buffers: threads read the next buffers from the files (os.preadv releases the GIL) while a copy stream moves the
+last one to the GPU, where each tensor is converted to the run's dtype. The host then holds the ring, not the
+model, and reading, copying and converting overlap.
+"""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import struct
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
@@ -130,6 +139,13 @@ def read_tensor(stored: StoredTensor, handle=None) -> torch.Tensor:
     return _read_bytes(handle, stored, torch.empty(stored.shape, dtype=stored.dtype))
 
 
+def _copy_converted(source: torch.Tensor, destination: torch.Tensor, transpose: bool) -> None:
+    """destination <- source (on destination's device), converted to destination's dtype as the fp32 route does."""
+    if source.dtype not in _EXACT_IN_FP32:
+        source = source.float()
+    destination.copy_(source.t() if transpose else source)
+
+
 def _read_into(handle, stored: StoredTensor, destination: torch.Tensor, transpose: bool) -> None:
     """destination <- the stored tensor, converted to destination's dtype on destination's device."""
     direct = (stored.tensor is None and not transpose and destination.device.type == "cpu"
@@ -137,25 +153,182 @@ def _read_into(handle, stored: StoredTensor, destination: torch.Tensor, transpos
     if direct:
         _read_bytes(handle, stored, destination)
         return
-    source = read_tensor(stored, handle).to(destination.device)
-    if source.dtype not in _EXACT_IN_FP32:
-        source = source.float()
-    destination.copy_(source.t() if transpose else source)
+    _copy_converted(read_tensor(stored, handle).to(destination.device), destination, transpose)
 
 
-def fill_parameters(model: nn.Module, pieces: list[tuple[StoredTensor, Piece]]) -> None:
-    """Every parameter of `model` (allocated, uninitialised, on its device and in its dtype) from the checkpoint:
-    file by file, each in the order of its bytes, one open file at a time."""
+@dataclass(frozen=True)
+class Staging:
+    """How tensors stream to the device: a ring of n_buffers host buffers of buffer_bytes (pinned for a GPU),
+    filled by n_threads readers in reads of at most read_bytes. The host holds the ring, not the model."""
+    buffer_bytes: int = 256 << 20
+    n_buffers: int = 4
+    n_threads: int = 8
+    read_bytes: int = 16 << 20
+    pinned: bool = True
+
+
+def default_staging(device: torch.device, pieces: list[tuple[StoredTensor, Piece]]) -> Optional[Staging]:
+    """Staging onto a GPU from safetensors files; None (a tensor at a time) on the CPU, whose parameters take the
+    file's bytes directly, for .bin files (memory-mapped tensors) or where os.preadv is missing."""
+    if device.type != "cuda" or not hasattr(os, "preadv") or any(s.tensor is not None for s, _ in pieces):
+        return None
+    return Staging(n_threads=min(Staging.n_threads, os.cpu_count() or 1))
+
+
+def fill_parameters(model: nn.Module, pieces: list[tuple[StoredTensor, Piece]],
+                    staging: Optional[Staging] = None) -> None:
+    """Every parameter of `model` (allocated, uninitialised, on its device and in its dtype) from the checkpoint,
+    file by file, each in the order of its bytes: through `staging` (by default default_staging's), else a tensor
+    at a time, one open file at a time. Both give the same weights, bit for bit."""
     parameters = dict(model.named_parameters())
-    rows_filled = {name: 0 for name in parameters}
     in_file_order = sorted(pieces, key=lambda p: (str(p[0].file), p[0].offset))
+    destinations = [_rows(parameters[piece.parameter], piece) for _, piece in in_file_order]
+    device = destinations[0].device if destinations else torch.device("cpu")
+    staging = staging or default_staging(device, pieces)
     with torch.no_grad():
-        for file, group in groupby(in_file_order, key=lambda p: p[0].file):
-            with open(file, "rb", buffering=0) as handle:
-                for stored, piece in group:
-                    target = parameters[piece.parameter]
-                    destination = target[piece.start:piece.stop] if target.dim() else target
-                    _read_into(handle, stored, destination, piece.transpose)
-                    rows_filled[piece.parameter] += piece.stop - piece.start
+        if staging is None:
+            _fill_one_at_a_time(in_file_order, destinations)
+        else:
+            _fill_staged(in_file_order, destinations, staging)
+    rows_filled = {name: 0 for name in parameters}
+    for _, piece in in_file_order:
+        rows_filled[piece.parameter] += piece.stop - piece.start
     unfilled = [name for name, p in parameters.items() if rows_filled[name] != (p.shape[0] if p.dim() else 1)]
     assert not unfilled, f"parameters the checkpoint map does not fill: {unfilled[:3]}"
+
+
+def _rows(parameter: torch.Tensor, piece: Piece) -> torch.Tensor:
+    return parameter[piece.start:piece.stop] if parameter.dim() else parameter
+
+
+def _fill_one_at_a_time(items: list[tuple[StoredTensor, Piece]], destinations: list[torch.Tensor]) -> None:
+    pairs = list(zip(items, destinations))
+    for file, group in groupby(pairs, key=lambda pair: pair[0][0].file):
+        with open(file, "rb", buffering=0) as handle:
+            for (stored, piece), destination in group:
+                _read_into(handle, stored, destination, piece.transpose)
+
+
+class Chunk(NamedTuple):
+    """Bytes [start, stop) of tensor `item` (of the read order), at buffer_offset in a staging buffer."""
+    item: int
+    start: int
+    stop: int
+    buffer_offset: int
+
+
+def plan_fills(sizes: list[int], buffer_bytes: int) -> list[list[Chunk]]:
+    """What each fill of a staging buffer holds: the tensors' bytes (sizes, in read order) back to back, a tensor
+    split wherever a buffer ends, so that every fill but the last is full. Sizes 5, 2, 9 in 4-byte buffers:
+
+        fill      0         1         2         3
+        bytes  0 0 0 0 | 0 1 1 2 | 2 2 2 2 | 2 2 2 2     (the tensor each byte belongs to)
+    """
+    assert buffer_bytes > 0
+    fills: list[list[Chunk]] = []
+    current: list[Chunk] = []
+    used = 0
+    for item, size in enumerate(sizes):
+        start = 0
+        while True:
+            take = min(size - start, buffer_bytes - used)
+            current.append(Chunk(item, start, start + take, used))
+            used, start = used + take, start + take
+            if used == buffer_bytes:
+                fills.append(current)
+                current, used = [], 0
+            if start == size:
+                break
+    if current:
+        fills.append(current)
+    return fills
+
+
+def _fill_staged(items: list[tuple[StoredTensor, Piece]], destinations: list[torch.Tensor], staging: Staging) -> None:
+    """Fill i goes to ring buffer i % n_buffers. Readers work up to n_buffers fills ahead; a buffer is read into
+    again only once the copy stream has taken its last fill to the device; each tensor is converted there once its
+    last bytes have landed."""
+    fills = plan_fills([stored.n_bytes for stored, _ in items], staging.buffer_bytes)
+    if not fills:
+        return
+    device = destinations[0].device
+    copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    buffer_bytes = min(staging.buffer_bytes, sum(stored.n_bytes for stored, _ in items))
+    ring = [torch.empty(max(buffer_bytes, 1), dtype=torch.uint8, pin_memory=staging.pinned and copy_stream is not None)
+            for _ in range(min(staging.n_buffers, len(fills)))]
+    descriptors = {stored.file: os.open(stored.file, os.O_RDONLY) for stored, _ in items}
+    pool = ThreadPoolExecutor(staging.n_threads, thread_name_prefix="fastppl-read")
+    landing: dict[int, tuple[torch.Tensor, bool]] = {}   # item -> (its bytes on the device, landed in place)
+    try:
+        reads = {i: _submit_fill(pool, descriptors, items, fills[i], ring[i], staging.read_bytes)
+                 for i in range(len(ring))}
+        for i, fill in enumerate(fills):
+            slot = ring[i % len(ring)]
+            for read in reads.pop(i):
+                read.result()   # a file that ends early raises here
+            with torch.cuda.stream(copy_stream) if copy_stream is not None else contextlib.nullcontext():
+                finished = _copy_fill(fill, slot, items, destinations, landing)
+                slot_copied = torch.cuda.Event() if copy_stream is not None else None
+                if slot_copied is not None:
+                    slot_copied.record(copy_stream)
+                for item in finished:   # after the event: the next read into the slot need not wait for these
+                    landed, in_place = landing.pop(item)
+                    if not in_place:
+                        stored, piece = items[item]
+                        _copy_converted(landed.view(stored.dtype).reshape(stored.shape), destinations[item],
+                                        piece.transpose)
+            if i + len(ring) < len(fills):
+                if slot_copied is not None:
+                    slot_copied.synchronize()
+                reads[i + len(ring)] = _submit_fill(pool, descriptors, items, fills[i + len(ring)], slot,
+                                                    staging.read_bytes)
+        if copy_stream is not None:
+            copy_stream.synchronize()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)   # no read may still write into a buffer being freed
+        for descriptor in descriptors.values():
+            os.close(descriptor)
+
+
+def _submit_fill(pool: ThreadPoolExecutor, descriptors: dict[Path, int], items: list[tuple[StoredTensor, Piece]],
+                 fill: list[Chunk], buffer: torch.Tensor, read_bytes: int) -> list[Future]:
+    """The fill's reads into `buffer`, in pieces of at most read_bytes so that every reader has work."""
+    view = memoryview(buffer.numpy())
+    reads = []
+    for chunk in fill:
+        stored = items[chunk.item][0]
+        for begin in range(chunk.start, chunk.stop, read_bytes):
+            end = min(begin + read_bytes, chunk.stop)
+            at = chunk.buffer_offset + begin - chunk.start
+            reads.append(pool.submit(_read_exactly, descriptors[stored.file], stored.file,
+                                     view[at:at + end - begin], stored.offset + begin))
+    return reads
+
+
+def _read_exactly(descriptor: int, file: Path, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        got = os.preadv(descriptor, [view[done:]], offset + done)
+        if not got:
+            raise _corrupt(file, "it ends inside a tensor")
+        done += got
+
+
+def _copy_fill(fill: list[Chunk], buffer: torch.Tensor, items: list[tuple[StoredTensor, Piece]],
+               destinations: list[torch.Tensor], landing: dict[int, tuple[torch.Tensor, bool]]) -> list[int]:
+    """The fill's chunks from the staging buffer to their tensors' bytes on the device: the parameter's own where
+    the layouts agree, else a buffer of the tensor in the file's dtype; the items whose last bytes it held."""
+    finished = []
+    for chunk in fill:
+        stored, piece = items[chunk.item]
+        if chunk.start == 0:
+            destination = destinations[chunk.item]
+            in_place = (not piece.transpose and destination.dtype == stored.dtype and destination.is_contiguous())
+            landed = destination.reshape(-1).view(torch.uint8) if in_place else \
+                torch.empty(stored.n_bytes, dtype=torch.uint8, device=destination.device)
+            landing[chunk.item] = (landed, in_place)
+        staged = buffer[chunk.buffer_offset:chunk.buffer_offset + chunk.stop - chunk.start]
+        landing[chunk.item][0][chunk.start:chunk.stop].copy_(staged, non_blocking=True)
+        if chunk.stop == stored.n_bytes:
+            finished.append(chunk.item)
+    return finished
