@@ -1,4 +1,5 @@
-"""Figures drawn from fastppl's own results: loss by window position, and per-document NLL.
+"""Figures drawn from fastppl's own results: loss by window position (each position's mean, and the means of
+log-spaced buckets of positions that long windows need), and per-document NLL.
 
 matplotlib is an optional extra (`pip install -e ".[plot]"`, or matplotlib alone), imported only when a figure is drawn.
 Figures are built as bare `Figure` objects on an Agg canvas, never through pyplot, so that nothing
@@ -13,12 +14,15 @@ from typing import Optional, Sequence
 
 from ..errors import FastpplError
 from .files import check_writable, write_atomic
+from .positions import bucket_means
 
 DPI = 100
 FIGURE_SIZE = (8.0, 4.5)            # inches: 800 x 450 pixels at DPI
 PANEL_WIDTH = 7.0                   # inches of each panel when a comparison has two (1400 x 450)
 FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
 INSTALL_HINT = "pip install matplotlib"
+# past this many positions a window's per-position means are noise around the buckets' curve: drawn faint
+MANY_POSITIONS = 512
 
 
 def require_matplotlib(flag: str = "--plot") -> None:
@@ -88,9 +92,16 @@ def _draw_loss_by_position(axes, results: Sequence[dict], labels: Sequence[str],
     into its first few pixels."""
     for i, (result, label) in enumerate(zip(results, labels)):
         color = f"C{i % 10}"
-        mean = _series(result["nll_by_position"])
+        mean = _series(result.get("nll_by_position"))
         tokens_read = list(range(1, len(mean) + 1))
-        axes.plot(tokens_read, mean, color=color, linewidth=1.4, label=f"{label}: mean NLL by position")
+        buckets_x, buckets_nll = bucket_means(result.get("nll_by_position_buckets"))
+        faint = bool(buckets_x) and len(mean) > MANY_POSITIONS
+        if mean:
+            axes.plot(tokens_read, mean, color=color, linewidth=0.6 if faint else 1.4, alpha=0.4 if faint else 1.0,
+                      label=f"{label}: mean NLL by position")
+        if buckets_x:   # each point the mean over its bucket's tokens: its sum over its count
+            axes.plot(buckets_x, buckets_nll, color=color, marker="o", markersize=3.5, linewidth=1.2 if faint else 0,
+                      label=f"{label}: mean NLL by log-spaced bucket of positions")
         std = _series(result.get("nll_by_position_std"))
         counts = result.get("tokens_by_position") or []
         if bands and len(std) == len(mean):
@@ -118,7 +129,7 @@ def _draw_loss_by_position(axes, results: Sequence[dict], labels: Sequence[str],
 def loss_by_position_figure(result: dict):
     """Mean NLL at each window position with bands for the spread of token NLLs and the uncertainty of
     the mean, and the run's overall NLL as a line."""
-    if not result.get("nll_by_position"):
+    if not result.get("nll_by_position") and not result.get("nll_by_position_buckets"):
         raise FastpplError("the result has no nll_by_position; it was written by an older fastppl, run eval again")
     figure, (axes,) = _new_figure()
     _draw_loss_by_position(axes, [result], ["this run"], bands=True)

@@ -23,6 +23,7 @@ from ..models.attention import document_attention_backend, varlen_failure
 from ..models.hf_backend import HFCausalLM
 from .groups import group_results
 from .metrics import lm_eval_word_count, per_unit_metrics, perplexity
+from .positions import loss_by_position_buckets
 from .stats import bootstrap, bootstrap_units, standard_errors
 
 
@@ -91,7 +92,8 @@ def by_position(sums: DeviceSums) -> dict:
     mean_square = np.where(counts > 0, sums.position_nll_sq_sum.cpu().numpy() / np.maximum(counts, 1), np.nan)
     std = np.sqrt(np.maximum(mean_square - mean ** 2, 0.0))
     return {"nll_by_position": _finite_or_none(mean), "nll_by_position_std": _finite_or_none(std),
-            "tokens_by_position": [int(c) for c in counts]}
+            "tokens_by_position": [int(c) for c in counts],
+            "nll_by_position_buckets": loss_by_position_buckets(sums.position_nll_sum.cpu().numpy(), counts)}
 
 
 def corpus_metrics(nll_sum: float, plan: WindowPlan, n_bytes: int, n_words: int) -> dict:
@@ -194,6 +196,7 @@ def assemble_result(config, device: torch.device, dtype: torch.dtype, documents:
         "resumed_from_batch": scored.start_batch if config.resume else None,
         "windows_scored_this_run": int(sum(len(p.windows) for p in scored.plans[scored.start_batch:])),
         "nll_by_position_std": positions["nll_by_position_std"], "tokens_by_position": positions["tokens_by_position"],
+        "nll_by_position_buckets": positions["nll_by_position_buckets"],   # log-spaced (fastppl.report.positions)
         "config": config.to_dict(), "environment": environment(device),
     }
     if world_size:
