@@ -19,6 +19,7 @@ from .accel.apply import (Acceleration, apply_fusions, choose_acceleration, choo
                           divergence_score_fn_for, score_fn_for, tuned_products)
 from .accel.batch_size import auto_batch_size, balanced_batch_size, scoring_memory_bound
 from .accel.compile import allow_shapes, compile_score_fn
+from .accel.context_fit import explaining_ctx
 from .accel.warm_up import start_cuda_warm_up
 from .config import EvalConfig
 from .data.batching import batch_from_plan, make_batch
@@ -106,10 +107,14 @@ def evaluate(config: EvalConfig) -> dict:
     cuda_start = [thread.seconds for thread in warm_ups if getattr(thread, "seconds", None) is not None]
     if cuda_start:   # on its own thread from the start, beside every stage before wait_for_warm_up
         run.stage_seconds["cuda_start"] = cuda_start[0]
-    batches = choose_batches(run, model, plan, acceleration, score_fn, ctx)
+    # one row of ctx positions out of GPU memory: a one-line error naming the largest --ctx that fits (one model's)
+    ctx_fit = dict(model=model if reference is None else None, ctx=ctx, device=run.device, dtype=run.dtype,
+                   loss=acceleration.loss, chunk_rows=config.loss_chunk_rows)
+    batches = explaining_ctx(lambda: choose_batches(run, model, plan, acceleration, score_fn, ctx), **ctx_fit)
     run.stage_done("choose_batch_size")
-    scored = score(run, model, plan, acceleration, score_fn, batches, ctx, use_kv_cache,
-                   resume_fingerprint(run, documents, corpus_digest, tokenizer, acceleration, batches, plan, ctx))
+    fingerprint = resume_fingerprint(run, documents, corpus_digest, tokenizer, acceleration, batches, plan, ctx)
+    scored = explaining_ctx(lambda: score(run, model, plan, acceleration, score_fn, batches, ctx, use_kv_cache,
+                                          fingerprint), **ctx_fit)
     run.stage_seconds["scoring"] = scored.seconds
     result = assemble_result(config, run.device, run.dtype, documents, corpus_digest, tokens, tokenizer, model, plan,
                              acceleration, scored, ctx=ctx, kv_cache=kv_cache_reason, use_kv_cache=use_kv_cache,
