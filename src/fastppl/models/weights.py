@@ -253,6 +253,8 @@ def _fill_staged(items: list[tuple[StoredTensor, Piece]], destinations: list[tor
         return
     device = destinations[0].device
     copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    if copy_stream is not None:   # the parameters' memory may have been another tensor's, still in use there
+        copy_stream.wait_stream(torch.cuda.current_stream(device))
     buffer_bytes = min(staging.buffer_bytes, sum(stored.n_bytes for stored, _ in items))
     ring = [torch.empty(max(buffer_bytes, 1), dtype=torch.uint8, pin_memory=staging.pinned and copy_stream is not None)
             for _ in range(min(staging.n_buffers, len(fills)))]
