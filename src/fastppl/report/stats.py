@@ -11,7 +11,7 @@ Tokens of one document are not independent, so the bootstrap resamples whole uni
 draws as many units as there are, with replacement, and its statistic is a ratio of sums (Σ nll_sum / Σ tokens),
 as the run's own figure is. The interval is the 2.5 and 97.5 percentiles over the resamples, which are drawn
 and reduced a block at a time: only the values of each tail that a percentile reads are kept (TailPercentiles),
-so that memory grows with 5 % of the resamples (0.4 bytes a resample and statistic), not with all of them."""
+so that memory grows with 5 % of the resamples (under 1 byte a resample and statistic), not with all of them."""
 from __future__ import annotations
 
 import math
