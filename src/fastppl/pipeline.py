@@ -23,7 +23,7 @@ from .accel.context_fit import explaining_ctx
 from .accel.warm_up import start_cuda_warm_up
 from .config import EvalConfig
 from .data.batching import batch_from_plan, make_batch
-from .data.corpus import Document, Fields, corpus_sha256, load_documents
+from .data.corpus import Document, Fields, check_sources_distinct, corpus_documents, corpus_sha256
 from .data.packing import BatchPlan, plan_batches, split_rows
 from .data.protocols import CORPORA, PROTOCOLS, Protocol, read_protocol_corpus
 from .data.streams import WindowPlan, plan_corpus, sliding_stride, with_decoded_text
@@ -133,8 +133,8 @@ def read_corpus(config: EvalConfig) -> tuple[list[Document], Optional[Protocol],
             raise FastpplError(f"--data {named[0]} is a corpus of --protocol "
                                f"{' or '.join(CORPORA[named[0]].protocols)}; add --protocol gptq")
         fields = Fields(config.text_field, config.id_field, config.group_by)
-        return [d for source in config.data for d in load_documents(
-            source, config.split, data_dir=config.data_dir, errors=config.errors, fields=fields)], None, []
+        return corpus_documents(config.data, config.split, config.data_dir, config.errors, fields), None, []
+    check_sources_distinct(config.data)
     return read_protocol_corpus(PROTOCOLS[config.protocol], config.data, config.split, config.text_field,
                                 config.data_dir, config.errors)
 

@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import stat
 import time
 import zipfile
 from pathlib import Path
@@ -133,8 +134,14 @@ class Checkpointer:
             return 0
         unreadable = FastpplError(f"{self.path}: is not a readable fastppl checkpoint; delete it to start over")
         try:
-            with np.load(self.path, allow_pickle=False) as stored:
-                arrays = {name: stored[name] for name in stored.files}
+            # without blocking: open() of a FIFO waits for a writer that never comes
+            with open(os.open(self.path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+                mode = os.fstat(f.fileno()).st_mode
+                if not stat.S_ISREG(mode):
+                    what = "a FIFO" if stat.S_ISFIFO(mode) else "a device"   # a directory fails to open
+                    raise FastpplError(f"{self.path}: is {what}, not a checkpoint file; remove it to start over")
+                with np.load(f, allow_pickle=False) as stored:
+                    arrays = {name: stored[name] for name in stored.files}
             meta = json.loads(str(arrays.pop("meta")))
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):   # cut short, empty, or not a zip
             raise unreadable from None

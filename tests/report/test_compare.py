@@ -423,7 +423,7 @@ def test_a_malformed_bootstrap_field_is_a_one_line_error(tmp_path, capsys):
     bad = {**good, "bootstrap": {**good["bootstrap"], "resampled": {**good["bootstrap"]["resampled"], "tokens": [1]}}}
     a, b = write(tmp_path / "a.json", good), write(tmp_path / "b.json", bad)
     assert main(["compare", a, b]) == 2
-    assert "b.json: its 'bootstrap' field is not one fastppl eval --bootstrap writes" in one_line_error(capsys)
+    assert "b.json: not a fastppl eval report ('bootstrap.resampled.tokens' has the wrong type)" in one_line_error(capsys)
 
 
 def test_a_per_doc_file_written_with_raw_unicode_line_separators_reads_as_its_lines(tmp_path):

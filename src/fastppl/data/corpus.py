@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -251,6 +252,10 @@ def builtin_path(name: str, data_dir: Optional[str]) -> Path:
     return cached
 
 
+# json.loads joins an escaped surrogate pair into one character: a surrogate left in its result is alone
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def jsonl_documents(raw_text: str, path: Path, fields: Fields) -> list[Document]:
     documents, fallback_ids, text_field = [], [], fields.text
     for line_number, record in json_lines(raw_text, path, "fix the line"):
@@ -260,6 +265,11 @@ def jsonl_documents(raw_text: str, path: Path, fields: Fields) -> list[Document]
             )
         if not isinstance(record[text_field], str):
             raise FastpplError(f"{path}:{line_number}: field {text_field!r} is not a string; pick the text field with --text-field")
+        lone = _SURROGATE.search(record[text_field])
+        if lone:   # a JSON escape such as \ud800 without its pair: no UTF-8 (and no tokenizer) can encode it
+            raise FastpplError(f"{path}:{line_number}: field {text_field!r} holds a lone surrogate "
+                               f"(\\u{ord(lone.group()):04x} at character {lone.start():,}), which is not valid "
+                               "Unicode; fix the line")
         fallback_ids.append(f"{path_id(path)}:{line_number}")
         documents.append(_record_document(record, f"{path}:{line_number}", fallback_ids[-1], fields))
     return unique_ids(documents, fallback_ids, str(path), fields)
@@ -395,3 +405,38 @@ def load_documents(
             raise FastpplError(f"{path}: holds no documents")
         return documents
     return [Document(id=path_id(path), text=split_text(text, split))]
+
+
+def _source_key(source: str) -> str:
+    """What a --data argument reads: the resolved file or directory, else the name (hf:, a built-in)."""
+    path = Path(source).expanduser()
+    return str(path.resolve()) if not source.startswith(HF_PREFIX) and path.exists() else source
+
+
+def check_sources_distinct(sources: list[str]) -> None:
+    """Each --data source once: one given twice would score its documents twice under the same ids, which
+    per-document results (keyed by id) cannot tell apart."""
+    seen: dict[str, str] = {}
+    for source in sources:
+        key = _source_key(source)
+        if key in seen:
+            also = "" if seen[key] == source else f" (as {seen[key]} and {source})"
+            raise FastpplError(f"--data {source} is given twice{also}; give each corpus once")
+        seen[key] = source
+
+
+def corpus_documents(sources: list[str], split: str, data_dir: Optional[str], errors: str,
+                     fields: Fields) -> list[Document]:
+    """The documents of every --data source, in order, under ids unique across the sources."""
+    check_sources_distinct(sources)
+    documents, source_of = [], {}
+    for source in sources:
+        for document in load_documents(source, split, data_dir=data_dir, errors=errors, fields=fields):
+            first = source_of.setdefault(document.id, source)
+            if first != source:   # two sources' "id" fields, or a directory and a file inside it
+                raise FastpplError(
+                    f"--data {first} and --data {source} both hold a document with the id {document.id!r}; "
+                    "per-document results are keyed by id: pass --id-field naming a field unique across them, "
+                    "or give each document once")
+            documents.append(document)
+    return documents

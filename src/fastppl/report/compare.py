@@ -16,8 +16,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..errors import FastpplError, no_such
-from ..data.jsonl import json_lines
+from ..errors import FastpplError
+from ..data.jsonl import describe, json_lines, loads
+from .inputs import is_count, is_number, read_text, wrongly_typed
 # fastppl.plot imports matplotlib only inside the functions that draw
 from .plot import check_plot_path, comparison_figure, corpus_label, model_label, save_figure
 from .paired import paired_table, per_token_comparable, plus_minus, same_text
@@ -55,72 +56,25 @@ def _labels(paths: Sequence[str]) -> list[str]:
     return stems if len(set(stems)) == len(stems) else list(paths)
 
 
-def _read_text(path: str, what: str) -> str:
-    file = Path(path)
-    if not file.exists():
-        raise FastpplError(f"{path}: {no_such(path)}; pass the {what}")
-    if file.is_dir():
-        raise FastpplError(f"{path}: is a directory; pass the {what}")
-    try:
-        return file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise FastpplError(f"{path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
-
-
 def load_run(path: str, label: Optional[str] = None) -> Run:
-    text = _read_text(path, "JSON report written by fastppl eval --json")
+    text = read_text(path, "JSON report written by fastppl eval --json")
     try:
-        result = json.loads(text)
+        result = loads(text)
     except json.JSONDecodeError as e:
         # one object per line: a per-document file given where reports go
         per_doc = " (one per line: a per-document file? pass it after --per-doc)" if e.msg == "Extra data" else ""
-        raise FastpplError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}){per_doc}; "
-                           "pass a fastppl eval --json report") from None
+        raise FastpplError(f"{path}:{e.lineno}: {describe(e)}{per_doc}; pass a fastppl eval --json report") from None
     if not isinstance(result, dict):
         raise FastpplError(f"{path}: not a fastppl eval report (a JSON object is expected)")
     missing = [f for f in REQUIRED_RUN_FIELDS if f not in result]
     if missing or not isinstance(result["config"], dict):
         raise FastpplError(f"{path}: not a fastppl eval report (no {missing[0] if missing else 'config'!r} field); "
                            "pass a file written by fastppl eval --json")
-    wrong = _wrongly_typed(result)
+    wrong = wrongly_typed(result)
     if wrong:
         raise FastpplError(f"{path}: not a fastppl eval report ({wrong!r} has the wrong type); pass a file written "
                            "by fastppl eval --json")
     return Run(path, label or Path(path).stem, result)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-# the fields compare reads: a check each (absent optional fields are fine)
-_FIELD_TYPES = {
-    # reports write null where a value is not finite (ppl past float64's range, bits/byte with no bytes)
-    "nll": _is_number, "ppl": lambda v: v is None or _is_number(v),
-    "tokens_scored": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-    "nll_sum": _is_number,
-    "tokens_per_second": lambda v: v is None or _is_number(v),
-    "bits_per_byte": lambda v: v is None or _is_number(v),
-    "dtype": lambda v: isinstance(v, str),
-    "environment": lambda v: isinstance(v, dict) and isinstance(v.get("device_name", ""), str),
-    "per_doc_path": lambda v: v is None or isinstance(v, str),
-    "nll_by_position": lambda v: v is None or (isinstance(v, list) and all(x is None or _is_number(x) for x in v)),
-}
-
-
-def _wrongly_typed(result: dict) -> Optional[str]:
-    """The first field compare reads whose value it could not use, or None."""
-    for field, check in _FIELD_TYPES.items():
-        if field in result and not check(result[field]):
-            return field
-    config = result["config"]
-    data = config.get("data", [])
-    if not (isinstance(data, list) and all(isinstance(d, str) for d in data)):
-        return "config.data"
-    for field in ("model", "split"):
-        if not isinstance(config.get(field, ""), str):
-            return f"config.{field}"
-    return None
 
 
 def load_runs(paths: Sequence[str]) -> list[Run]:
@@ -223,7 +177,7 @@ def runs_table(runs: Sequence[Run], markdown: bool = False) -> str:
 def load_per_doc(path: str) -> list[DocResult]:
     """One JSON object per line with at least id, tokens and nll_sum (and optionally bytes, words)."""
     documents, seen = [], set()
-    text = _read_text(path, "per-document .jsonl written by fastppl eval --per-doc")
+    text = read_text(path, "per-document .jsonl written by fastppl eval --per-doc")
     for number, record in json_lines(text, path, "pass a fastppl --per-doc file"):
         if not isinstance(record, dict):
             raise FastpplError(f"{path}:{number}: not a JSON object; pass a fastppl --per-doc file")
@@ -231,12 +185,12 @@ def load_per_doc(path: str) -> list[DocResult]:
         if missing:
             raise FastpplError(f"{path}:{number}: no {missing[0]!r} field; pass a fastppl --per-doc file")
         tokens, nll_sum, n_bytes = record["tokens"], record["nll_sum"], record.get("bytes")
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise FastpplError(f"{path}:{number}: 'tokens' must be a non-negative integer, got {tokens!r}")
-        if isinstance(nll_sum, bool) or not isinstance(nll_sum, (int, float)) or not math.isfinite(nll_sum):
-            raise FastpplError(f"{path}:{number}: 'nll_sum' must be a finite number, got {nll_sum!r}")
-        if n_bytes is not None and (isinstance(n_bytes, bool) or not isinstance(n_bytes, int) or n_bytes < 0):
-            raise FastpplError(f"{path}:{number}: 'bytes' must be a non-negative integer, got {n_bytes!r}")
+        if not is_count(tokens):
+            raise FastpplError(f"{path}:{number}: 'tokens' must be a non-negative integer, got {tokens!r:.40}")
+        if not (is_number(nll_sum) and math.isfinite(nll_sum)):
+            raise FastpplError(f"{path}:{number}: 'nll_sum' must be a finite number, got {nll_sum!r:.40}")
+        if n_bytes is not None and not is_count(n_bytes):
+            raise FastpplError(f"{path}:{number}: 'bytes' must be a non-negative integer, got {n_bytes!r:.40}")
         doc_id = str(record["id"])
         if doc_id in seen:
             raise FastpplError(f"{path}:{number}: document id {doc_id!r} appears twice; ids must be unique")

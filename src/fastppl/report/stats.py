@@ -9,7 +9,9 @@ The standard error treats the scored tokens as independent draws, as llama.cpp's
 
 Tokens of one document are not independent, so the bootstrap resamples whole units instead: each resample
 draws as many units as there are, with replacement, and its statistic is a ratio of sums (Σ nll_sum / Σ tokens),
-as the run's own figure is. The interval is the 2.5 and 97.5 percentiles over the resamples."""
+as the run's own figure is. The interval is the 2.5 and 97.5 percentiles over the resamples, which are drawn
+and reduced a block at a time: only the values of each tail that a percentile reads are kept (TailPercentiles),
+so that memory grows with 5 % of the resamples (under 1 byte a resample and statistic), not with all of them."""
 from __future__ import annotations
 
 import math
@@ -90,21 +92,79 @@ def bits_per_byte(units: Units, draw: np.ndarray) -> np.ndarray:
     return units.nll_sum[draw].sum(axis=1) / math.log(2) / units.bytes[draw].sum(axis=1)
 
 
-def percentile_interval(values: np.ndarray) -> list[float]:
-    tail = (1 - LEVEL) / 2 * 100
-    return [float(v) for v in np.percentile(values, [tail, 100 - tail])]
+class TailPercentiles:
+    """The interval's two percentiles of n values given a block at a time, equal bit for bit to np.percentile of
+    all the values (its linear method), holding only the values of each tail that they read.
+
+    numpy's q-th percentile of n values is the two order statistics around the virtual index h = (n - 1) q,
+    interpolated by h's fraction: the lower percentile reads the floor(h) + 2 smallest values, the upper one the
+    n - floor(h) largest. Each tail keeps that many, merged with new blocks once as many are waiting (so each
+    value is partitioned a bounded number of times)."""
+
+    def __init__(self, n_values: int):
+        assert n_values > 0, "a percentile of no values"
+        tail = (1 - LEVEL) / 2 * 100
+        self.n = n_values
+        # as numpy computes it: q / 100, then (n - 1) q
+        self.virtual = [float((n_values - 1) * q) for q in np.true_divide([tail, 100 - tail], 100)]
+        below = [min(math.floor(h), n_values - 1) for h in self.virtual]
+        self.keep_low, self.keep_high = min(below[0] + 2, n_values), n_values - below[1]
+        self.low, self.high = np.zeros(0), np.zeros(0)   # the kept tails
+        self.waiting: list[np.ndarray] = []
+        self.n_waiting = self.n_seen = 0
+        self.has_nan = False
+
+    def add(self, values: np.ndarray) -> None:
+        values = np.asarray(values, dtype=np.float64)
+        self.has_nan |= bool(np.isnan(values).any())
+        self.waiting.append(values)
+        self.n_waiting += len(values)
+        self.n_seen += len(values)
+        if self.n_waiting >= max(self.keep_low, self.keep_high, 1 << 16):
+            self._merge()
+
+    def _merge(self) -> None:
+        for side in ("low", "high"):
+            values = np.concatenate([getattr(self, side), *self.waiting])
+            keep = self.keep_low if side == "low" else self.keep_high
+            if len(values) > keep:   # NaN sorts last, as in numpy's partition: it is only ever in the high tail
+                cut = keep - 1 if side == "low" else len(values) - keep
+                values = np.partition(values, cut)
+                values = values[:keep] if side == "low" else values[-keep:]
+            setattr(self, side, values)
+        self.waiting, self.n_waiting = [], 0
+
+    def interval(self) -> list[float]:
+        assert self.n_seen == self.n, f"{self.n_seen} values given of {self.n}"
+        self._merge()
+        if self.has_nan:   # as numpy: a NaN anywhere makes every percentile NaN
+            return [math.nan, math.nan]
+        low, high = np.sort(self.low), np.sort(self.high)
+        return [_at_virtual_index(low, math.floor(self.virtual[0]), self.virtual[0], self.n),
+                _at_virtual_index(high, 0, self.virtual[1], self.n)]
+
+
+def _at_virtual_index(ascending: np.ndarray, below: int, virtual: float, n: int) -> float:
+    """numpy's linear percentile at virtual index h of n values, given its values in order with the one at
+    floor(h) at `below`: numpy's own interpolation between the two values around h (a quantile of those two alone
+    at h's fraction computes exactly that); from h = n - 1 on, numpy interpolates the largest value with itself."""
+    if virtual >= n - 1:
+        return float(np.quantile(np.repeat(ascending[-1:], 2), 0.0))
+    return float(np.quantile(ascending[below:below + 2], virtual - math.floor(virtual)))
 
 
 def bootstrap(units: Units, replicates: int, seed: int) -> dict:
     """The bootstrap intervals of one run's nll, ppl and bits per byte (the report's "bootstrap")."""
-    nll, bpb = [], []
+    has_bytes = bool(units.bytes.sum())
+    nll, bpb = TailPercentiles(replicates), TailPercentiles(replicates)
     for draw in resamples(len(units.index), replicates, seed):
-        nll.append(nll_per_token(units, draw))
-        bpb.append(bits_per_byte(units, draw) if units.bytes.sum() else np.full(len(draw), np.nan))
-    nll_interval = percentile_interval(np.concatenate(nll))
+        nll.add(nll_per_token(units, draw))
+        if has_bytes:
+            bpb.add(bits_per_byte(units, draw))
+    nll_interval = nll.interval()
     return {"level": LEVEL, "replicates": replicates, "seed": seed, "unit": units.kind, "units": len(units.index),
             "nll": nll_interval, "ppl": [perplexity(x) for x in nll_interval],
-            "bits_per_byte": percentile_interval(np.concatenate(bpb)) if units.bytes.sum() else None,
+            "bits_per_byte": bpb.interval() if has_bytes else None,
             "resampled": units.to_dict()}
 
 
@@ -122,9 +182,12 @@ def paired_difference(first: Units, other: Units, statistic: Callable[[Units, np
         return None
     everything = np.arange(len(shared))[None, :]
     estimate = float(statistic(b, everything)[0] - statistic(a, everything)[0])
-    deltas = np.concatenate([statistic(b, draw) - statistic(a, draw)
-                             for draw in resamples(len(shared), replicates, seed)])
-    return {"difference": estimate, "interval": percentile_interval(deltas), "lower_share": float(np.mean(deltas < 0)),
+    deltas, n_lower = TailPercentiles(replicates), 0
+    for draw in resamples(len(shared), replicates, seed):
+        delta = statistic(b, draw) - statistic(a, draw)
+        deltas.add(delta)
+        n_lower += int(np.count_nonzero(delta < 0))
+    return {"difference": estimate, "interval": deltas.interval(), "lower_share": n_lower / replicates,
             "units": len(shared), "unit": first.kind, "replicates": replicates, "seed": seed}
 
 
