@@ -6,6 +6,7 @@ the tensors an index under transformers' names, each dequantized on the run's de
 from __future__ import annotations
 
 import functools
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -239,6 +240,8 @@ def load_hf_gguf(checkpoint: GGUFCheckpoint, dtype: torch.dtype, why: str):
 
     from ..quiet import quiet_transformers
     from .hf_backend import HFCausalLM
+    hide_bar = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"   # transformers' GGUF loader draws its own progress bar
     try:
         with quiet_transformers():
             model = AutoModelForCausalLM.from_pretrained(str(checkpoint.path.parent), gguf_file=str(checkpoint.path),
@@ -246,4 +249,9 @@ def load_hf_gguf(checkpoint: GGUFCheckpoint, dtype: torch.dtype, why: str):
     except Exception as e:
         raise FastpplError(f"{checkpoint.path}: transformers cannot load this GGUF ({first_line(e)}); "
                            "use --backend native") from None
+    finally:
+        if hide_bar is None:
+            os.environ.pop("TQDM_DISABLE")
+        else:
+            os.environ["TQDM_DISABLE"] = hide_bar
     return HFCausalLM(model, why)

@@ -13,6 +13,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..config import gguf_spec, is_path_like
 from ..errors import FastpplError, first_line, is_link_loop, no_such
+from .compressed import compressed_index, is_compressed_tensors
 from .gguf import load_hf_gguf, open_gguf
 from .gpt2 import GPT2, PRESETS
 from .hf_backend import HFCausalLM
@@ -90,7 +91,9 @@ def local_checkpoint_dir(spec: str) -> Optional[Path]:
     path = Path(spec).expanduser()
     if path.is_dir():
         return path
-    if gguf_spec(spec):   # a GGUF file: fastppl.models.gguf reads it
+    if gguf_spec(spec):   # a GGUF file (fastppl.models.gguf): a local one's header checked now, before its tokenizer
+        if gguf_spec(spec)[0] is None:
+            open_gguf(spec)
         return None
     if path.exists():
         raise FastpplError(f"{spec}: is a file; --model takes a checkpoint directory (config.json + weights)")
@@ -264,6 +267,8 @@ def load_model(spec: str, backend: str = "auto", dtype: torch.dtype = torch.floa
                else f"auto: the native model does not implement {unsupported or ', '.join(gaps)}")
         return (load_hf_gguf(gguf, dtype, why) if gguf else _load_hf(directory, dtype, why)).eval()
     index = gguf.index if gguf else None
+    if is_compressed_tensors(hf_config):   # llm-compressor's weight-only schemes: dequantized as they are read
+        index = compressed_index(checkpoint_index(directory), hf_config, str(directory))
     if model_type in LLAMA_MODEL_TYPES:
         return _load_native(directory, hf_config, llama_config_from_hf, Llama, llama_pieces, dtype, device, index)
     return _load_native(directory, hf_config, gpt2_config_from_hf, GPT2, gpt2_pieces, dtype, device, index)
