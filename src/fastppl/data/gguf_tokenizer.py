@@ -39,8 +39,8 @@ def _converted(path: Path):
     return backend, {**settings, **extra}
 
 
-def load_gguf_tokenizer(spec: str):
-    from .tokenize import Tokenizer
+def gguf_tokenizer_fields(spec: str) -> dict:
+    """The fields of a fastppl.data.tokenize.Tokenizer (all but its name) for a GGUF file's tokenizer."""
     path = gguf_local_path(spec)
     try:
         backend, settings = _converted(path)
@@ -52,9 +52,8 @@ def load_gguf_tokenizer(spec: str):
     bos_id, eos_id = settings.get("bos_token_id"), settings.get("eos_token_id")
     _add_bos_as_llama_cpp_does(backend, bos_id if settings.get("add_bos_token") else None)
     fingerprint = hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest()[:16]
-    return Tokenizer(backend=backend, name=spec, fingerprint=fingerprint,
-                     bos_id=bos_id if bos_id is not None else eos_id, eos_id=eos_id,
-                     vocab_size=backend.get_vocab_size(with_added_tokens=True))
+    return dict(backend=backend, fingerprint=fingerprint, bos_id=bos_id if bos_id is not None else eos_id,
+                eos_id=eos_id, vocab_size=backend.get_vocab_size(with_added_tokens=True))
 
 
 def _add_bos_as_llama_cpp_does(backend, bos_id) -> None:

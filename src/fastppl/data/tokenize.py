@@ -192,8 +192,8 @@ def _hub_tokenizer_dir(repo_id: str) -> tuple[Optional[Path], str]:
 
 def load_tokenizer(name_or_path: str, offline_hint: str = "") -> Tokenizer:
     if gguf_spec(name_or_path):   # a GGUF file's own tokenizer, from its metadata
-        from .gguf_tokenizer import load_gguf_tokenizer
-        return load_gguf_tokenizer(name_or_path)
+        from .gguf_tokenizer import gguf_tokenizer_fields
+        return Tokenizer(name=name_or_path, **gguf_tokenizer_fields(name_or_path))
     directory = Path(name_or_path).expanduser()
     if directory.is_file():
         raise FastpplError(f"{name_or_path}: is a file; --tokenizer takes a tokenizer directory (tokenizer.json, "
