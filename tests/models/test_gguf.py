@@ -74,7 +74,7 @@ def _matrix_type(name: str, layer: int):
     return [Q.Q8_0, Q.F16, Q.Q4_0, Q.F32][(layer + len(name)) % 4]
 
 
-def _write_llama_family(path, hf_model, architecture: str, tokenizer) -> None:
+def _write_llama_family(path, hf_model, architecture: str, tokenizer, matrix_type=None, rope_freqs=None) -> None:
     config = hf_model.config
     writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_block_count(config.num_hidden_layers)
@@ -88,7 +88,10 @@ def _write_llama_family(path, hf_model, architecture: str, tokenizer) -> None:
     writer.add_rope_dimension_count(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     _add_tokenizer(writer, tokenizer)
     state = hf_model.state_dict()
-    _tensor(writer, "token_embd.weight", state["model.embed_tokens.weight"], Q.Q8_0)
+    matrix_type = matrix_type or _matrix_type
+    if rope_freqs is not None:
+        _tensor(writer, "rope_freqs.weight", rope_freqs, Q.F32)
+    _tensor(writer, "token_embd.weight", state["model.embed_tokens.weight"], matrix_type("token_embd", 0))
     _tensor(writer, "output_norm.weight", state["model.norm.weight"], Q.F32)
     if not config.tie_word_embeddings:
         _tensor(writer, "output.weight", state["lm_head.weight"], Q.F16)
@@ -101,7 +104,7 @@ def _write_llama_family(path, hf_model, architecture: str, tokenizer) -> None:
                 if architecture == "llama" and gguf_part in ("attn_q", "attn_k"):
                     heads = config.num_attention_heads if gguf_part == "attn_q" else config.num_key_value_heads
                     values = _permute(values, heads)
-                qtype = _matrix_type(gguf_part, layer) if values.dim() == 2 else Q.F32
+                qtype = matrix_type(gguf_part, layer) if values.dim() == 2 else Q.F32
                 _tensor(writer, f"blk.{layer}.{gguf_part}.{kind}", values, qtype)
     _finish(writer)
 
@@ -238,6 +241,43 @@ def test_llamas_q_and_k_rows_come_back_in_their_original_order(llama_gguf):
     assert torch.equal(unpermute_rope_rows(_permute(weights, 8), 8), weights)
 
 
+def _llama3_rope_freqs(theta: float, head_dim: int, rope: dict) -> torch.Tensor:
+    """llama.cpp's convert_hf_to_gguf: Llama 3's RoPE scaling as one divisor per frequency (rope_freqs)."""
+    import math
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    original = rope["original_max_position_embeddings"]
+    low, high = original / rope["low_freq_factor"], original / rope["high_freq_factor"]
+    divisors = []
+    for freq in freqs.tolist():
+        wavelength = 2 * math.pi / freq
+        if wavelength < high:
+            divisors.append(1.0)
+        elif wavelength > low:
+            divisors.append(rope["factor"])
+        else:
+            smooth = (original / wavelength - rope["low_freq_factor"]) / (rope["high_freq_factor"] - rope["low_freq_factor"])
+            divisors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    return torch.tensor(divisors, dtype=torch.float32)
+
+
+def test_llama3_rope_factors_become_its_rope_scaling(tmp_path, tiny_tokenizer):
+    rope = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+    original = _hf_random("llama", tie_word_embeddings=True, rope_parameters=rope, **LLAMA_SHAPE)
+    divisors = _llama3_rope_freqs(500000.0, 16, rope)
+    assert divisors.min() == 1.0 and divisors.max() == 32.0 and len(set(divisors.tolist())) > 2   # all three regimes
+    path = tmp_path / "llama3.gguf"
+    _write_llama_family(path, original, "llama", tiny_tokenizer, lambda *_: Q.F32, divisors)
+    native = load_model(str(path), "native", torch.float32)
+    assert native.config.rope_type == "llama3" and native.config.rope_factor == 32.0
+    ids = torch.randint(0, 400, (2, 48), generator=torch.Generator().manual_seed(2))
+    ours, theirs = _native_token_nll(native, ids), _hf_token_nll(original, ids)
+    assert ((ours - theirs).abs() / theirs.abs()).max().item() <= FP32_RTOL
+    _write_llama_family(tmp_path / "odd.gguf", original, "llama", tiny_tokenizer, lambda *_: Q.F32, divisors * 1.5)
+    with pytest.raises(FastpplError, match="RoPE frequency factors"):
+        load_model(str(tmp_path / "odd.gguf"), "native", torch.float32)
+
+
 def test_the_run_dtype_is_the_dequantized_fp32_values_rounded(llama_gguf):
     path, _ = llama_gguf
     full = llama_state_dict_to_hf(load_model(str(path), "native", torch.float32))
@@ -327,3 +367,17 @@ def test_bad_gguf_files_are_one_line_and_exit_2(llama_gguf, tmp_path, capsys):
 def test_a_missing_gguf_file_is_one_line(tmp_path):
     with pytest.raises(FastpplError, match="no such file"):
         load_model(str(tmp_path / "absent.gguf"), "auto", torch.float32)
+
+
+def test_a_hub_gguf_is_named_owner_repo_colon_file(monkeypatch):
+    import huggingface_hub
+
+    from fastppl.config import gguf_spec
+    assert gguf_spec("owner/repo:model-Q4_K_M.gguf") == ("owner/repo", "model-Q4_K_M.gguf")
+    assert gguf_spec("models/x.gguf") == (None, "models/x.gguf")
+    assert gguf_spec("owner/repo") is None and gguf_spec("checkpoints/llama") is None
+    def unreachable(repo, filename):
+        raise OSError(f"cannot reach the hub for {repo}/{filename}\nsecond line")
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", unreachable)
+    with pytest.raises(FastpplError, match="the hub did not serve model.gguf of owner/repo"):
+        load_model("owner/repo:model.gguf", "auto", torch.float32)
