@@ -57,10 +57,6 @@ class GGUFCheckpoint:
     index: dict[str, StoredTensor]  # transformers names -> tensors dequantized when read
 
 
-def is_gguf(spec: str) -> bool:
-    return gguf_spec(spec) is not None
-
-
 def resolve_gguf_path(spec: str) -> Path:
     """The local file a GGUF --model names: the file itself, or (owner/repo:FILE.gguf) the hub's, downloaded
     once into the Hugging Face cache."""
