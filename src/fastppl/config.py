@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
@@ -22,6 +23,18 @@ def is_path_like(spec: str) -> bool:
     """A --model or --tokenizer that names a path, not a hub id ("name" or "org/name"): it starts like one, or
     has more than one "/"."""
     return spec.startswith((".", "/", "~")) or spec.count("/") > 1
+
+
+_HUB_GGUF = re.compile(r"^([\w.-]+/[\w.-]+):([^:]+\.gguf)$")
+
+
+def gguf_spec(spec: str) -> Optional[tuple[Optional[str], str]]:
+    """(None, path) for a --model or --tokenizer that names a local .gguf file, (repo, file) for owner/repo:FILE.gguf
+    on the hub, else None."""
+    if not spec.lower().endswith(".gguf"):
+        return None
+    hub = _HUB_GGUF.match(spec)
+    return (hub.group(1), hub.group(2)) if hub and not Path(spec).expanduser().exists() else (None, spec)
 
 
 def cache_dir() -> Path:

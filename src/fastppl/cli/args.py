@@ -14,7 +14,8 @@ LLAMA_PRESETS = ("llama-1b", "llama-tiny")
 RANDOM_PRESETS = GPT2_PRESETS + LLAMA_PRESETS
 
 PRESETS_HELP = f"PRESET: {', '.join(RANDOM_PRESETS)}"
-MODEL_HELP = ("a Hugging Face checkpoint directory (config.json + weights), a hub id, or random:PRESET for "
+MODEL_HELP = ("a Hugging Face checkpoint directory (config.json + weights), a hub id, a FILE.gguf (or "
+              "owner/repo:FILE.gguf), or random:PRESET for "
               f"seeded random weights of a built-in shape ({PRESETS_HELP}); required")
 TOKENIZER_HELP = "tokenizer directory or hub id (default: the model's own; gpt2's for random:PRESET)"
 DEVICE_HELP = "auto, cpu, cuda or cuda:N (default: %(default)s: CUDA if a GPU is visible, else cpu)"

@@ -8,7 +8,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..config import cache_dir, is_path_like
+from ..config import cache_dir, gguf_spec, is_path_like
 from ..errors import FastpplError, first_line, is_link_loop, no_such
 from . import pieces
 from .pieces import encode_in_pieces, encode_short_texts
@@ -191,6 +191,9 @@ def _hub_tokenizer_dir(repo_id: str) -> tuple[Optional[Path], str]:
 
 
 def load_tokenizer(name_or_path: str, offline_hint: str = "") -> Tokenizer:
+    if gguf_spec(name_or_path):   # a GGUF file's own tokenizer, from its metadata
+        from .gguf_tokenizer import gguf_tokenizer_fields
+        return Tokenizer(name=name_or_path, **gguf_tokenizer_fields(name_or_path))
     directory = Path(name_or_path).expanduser()
     if directory.is_file():
         raise FastpplError(f"{name_or_path}: is a file; --tokenizer takes a tokenizer directory (tokenizer.json, "

@@ -11,8 +11,10 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from ..config import is_path_like
+from ..config import gguf_spec, is_path_like
 from ..errors import FastpplError, first_line, is_link_loop, no_such
+from .compressed import compressed_index, is_compressed_tensors
+from .gguf import load_hf_gguf, open_gguf
 from .gpt2 import GPT2, PRESETS
 from .hf_backend import HFCausalLM
 from .hf_convert import (LLAMA_MODEL_TYPES, gpt2_config_from_hf, gpt2_config_to_hf, gpt2_native_gaps, gpt2_pieces,
@@ -89,6 +91,10 @@ def local_checkpoint_dir(spec: str) -> Optional[Path]:
     path = Path(spec).expanduser()
     if path.is_dir():
         return path
+    if gguf_spec(spec):   # a GGUF file (fastppl.models.gguf): a local one's header checked now, before its tokenizer
+        if gguf_spec(spec)[0] is None:
+            open_gguf(spec)
+        return None
     if path.exists():
         raise FastpplError(f"{spec}: is a file; --model takes a checkpoint directory (config.json + weights)")
     if is_path_like(spec) or is_link_loop(spec):
@@ -240,10 +246,11 @@ def load_model(spec: str, backend: str = "auto", dtype: torch.dtype = torch.floa
         model: nn.Module = HFCausalLM(native_to_hf(native), "--backend hf") if backend == "hf" else native
         return model.to(dtype).eval()
 
-    directory = resolve_checkpoint_dir(spec)
-    hf_config = _read_config(directory)
+    gguf = open_gguf(spec) if gguf_spec(spec) else None   # a GGUF: its metadata as config, its tensors indexed
+    directory = gguf.path if gguf else resolve_checkpoint_dir(spec)
+    hf_config = gguf.hf_config if gguf else _read_config(directory)
     model_type = hf_config.get("model_type")
-    if model_type in NATIVE_MODEL_TYPES:
+    if model_type in NATIVE_MODEL_TYPES and not gguf:
         check_config_fits_weights(directory, hf_config)
     unsupported = llama_unsupported(hf_config) if model_type in LLAMA_MODEL_TYPES else None
     if backend == "native" and (model_type not in NATIVE_MODEL_TYPES or unsupported):
@@ -258,10 +265,13 @@ def load_model(spec: str, backend: str = "auto", dtype: torch.dtype = torch.floa
         why = ("--backend hf" if backend == "hf" else
                f"auto: model_type {model_type!r} has no native implementation" if model_type not in NATIVE_MODEL_TYPES
                else f"auto: the native model does not implement {unsupported or ', '.join(gaps)}")
-        return _load_hf(directory, dtype, why).eval()
+        return (load_hf_gguf(gguf, dtype, why) if gguf else _load_hf(directory, dtype, why)).eval()
+    index = gguf.index if gguf else None
+    if is_compressed_tensors(hf_config):   # llm-compressor's weight-only schemes: dequantized as they are read
+        index = compressed_index(checkpoint_index(directory), hf_config, str(directory))
     if model_type in LLAMA_MODEL_TYPES:
-        return _load_native(directory, hf_config, llama_config_from_hf, Llama, llama_pieces, dtype, device)
-    return _load_native(directory, hf_config, gpt2_config_from_hf, GPT2, gpt2_pieces, dtype, device)
+        return _load_native(directory, hf_config, llama_config_from_hf, Llama, llama_pieces, dtype, device, index)
+    return _load_native(directory, hf_config, gpt2_config_from_hf, GPT2, gpt2_pieces, dtype, device, index)
 
 
 class _NoInitialisation(TorchFunctionMode):
@@ -278,7 +288,8 @@ class _NoInitialisation(TorchFunctionMode):
 
 
 def _load_native(directory: Path, hf_config: dict, config_from_hf, model_class, checkpoint_pieces,
-                 dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+                 dtype: torch.dtype, device: torch.device | str,
+                 index: Optional[dict[str, StoredTensor]] = None) -> nn.Module:
     """Build on the meta device (no memory, no init), allocate on `device` in `dtype`, then read every weight
     into place, a tensor at a time (fastppl.models.weights)."""
     try:
@@ -290,7 +301,7 @@ def _load_native(directory: Path, hf_config: dict, config_from_hf, model_class, 
     except (TypeError, ValueError, AssertionError, RuntimeError) as e:   # a wrong type, a negative size, ...
         raise FastpplError(f"{directory}/config.json: does not describe a valid model ({first_line(e, 160)}); "
                            "the checkpoint is corrupt") from None
-    pieces = checkpoint_pieces(model, checkpoint_index(directory), str(directory))   # all checked before allocating
+    pieces = checkpoint_pieces(model, index or checkpoint_index(directory), str(directory))   # all checked before allocating
     _allocate_parameters(model, dtype, device)
     fill_parameters(model, pieces)
     return model.eval()

