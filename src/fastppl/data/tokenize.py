@@ -84,6 +84,12 @@ class Tokenizer:
         return self.n_bytes(ids[left:i + 1].tolist()) - self.n_bytes(ids[left:i].tolist())
 
 
+def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
+    """Whether two tokenizers map text to ids alike: the token cache's fingerprints (of the file read, or of the
+    tokenizer), else, where they were read by different routes, the fingerprints of the tokenizers themselves."""
+    return a.fingerprint == b.fingerprint or _fingerprint(a.backend) == _fingerprint(b.backend)
+
+
 def _fingerprint(backend) -> str:
     return hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest()[:16]
 
