@@ -120,7 +120,8 @@ def unprovable_reason(backend) -> Optional[str]:
     if model not in MODELS or getattr(backend.model, "dropout", None):
         return f"its model {model}{' with dropout' if model in MODELS else ''} is not one proven to encode " \
                "pre-tokens alone"
-    processors = _flat(_state(backend.post_processor) or {"type": "ByteLevel"}, "processors")
+    post_processor = _state(backend.post_processor)
+    processors = _flat(post_processor, "processors") if post_processor else []
     unknown = [p.get("type") for p in processors if p.get("type") not in PROCESSORS_OF_SPECIALS]
     return f"its post-processor {unknown[0]} is not one known to add only special tokens" if unknown else None
 

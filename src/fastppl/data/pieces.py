@@ -62,7 +62,7 @@ def encode_batch(backend, texts: list[str]) -> list:
             share = []
     shares = [s for s in shares + [share] if s]
     with ThreadPoolExecutor(max_workers=len(shares), thread_name_prefix="fastppl-encode") as threads:
-        encoded = threads.map(lambda share: backend.encode_batch_fast(share, add_special_tokens=False), shares)
+        encoded = threads.map(lambda part: backend.encode_batch_fast(part, add_special_tokens=False), shares)
         return [encoding for share_encodings in encoded for encoding in share_encodings]
 
 
