@@ -85,7 +85,7 @@ def evaluate(config: EvalConfig) -> dict:
     # tokenizing needs neither the model nor the GPU: it runs beside the weights' loading and the CUDA start
     encoding = InBackground(lambda: encode_texts(documents, tokenizer), "fastppl-tokenize")
     model = load_model(config.model, config.backend, run.dtype, config.seed, device)
-    reference = load_reference(config, run.dtype, device, model)   # None unless --reference-model
+    reference = load_reference(config, run.dtype, device, model, tokenizer)   # None unless --reference-model
     run.stage_done("load_model")
     ctx = check_model_fits(config, tokenizer, model)
     check_reference_fits(config, reference, ctx)

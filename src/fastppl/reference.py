@@ -4,6 +4,7 @@ the same tokens in one pass; fastppl.engine.divergence computes each token's val
 fastppl.report.divergence the statistics."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -14,6 +15,7 @@ from .config import EvalConfig
 from .engine.divergence import KLD_COLUMN
 from .engine.precision import resolve_device
 from .engine.score import DeviceSums
+from .data.tokenize import Tokenizer, load_tokenizer, same_tokenizer
 from .errors import FastpplError
 from .models import load_model
 from .models.loading import position_limit_note
@@ -40,10 +42,41 @@ def check_reference_options(config: EvalConfig, distributed: bool) -> None:
                                f"chunked kernel over every position); drop {flag}")
 
 
-def load_reference(config: EvalConfig, dtype: torch.dtype, device: torch.device,
-                   model: nn.Module) -> Optional[nn.Module]:
+# files whose presence makes a directory a tokenizer's (a checkpoint of weights alone holds none)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def reference_tokenizer(reference_model: str) -> Optional[Tokenizer]:
+    """The reference model's own tokenizer: from its directory, or the hub for a hub id. None where it has none
+    (random weights, a directory of weights alone, a hub id whose repository serves no tokenizer)."""
+    if reference_model.startswith("random:"):
+        return None
+    path = Path(reference_model).expanduser()
+    if path.exists():
+        if not path.is_dir() or not any((path / name).is_file() for name in TOKENIZER_FILES):
+            return None
+        return load_tokenizer(str(path))
+    try:
+        return load_tokenizer(reference_model)
+    except FastpplError:   # the weights came from the hub; a repository of weights alone has no tokenizer
+        return None
+
+
+def check_reference_tokenizer(config: EvalConfig, tokenizer: Tokenizer) -> None:
+    """Both models must read the same ids as the same text: a reference whose own tokenizer differs from the run's
+    in any token or rule (the same vocabulary size is not enough) is refused."""
+    own = reference_tokenizer(config.reference_model)
+    if own is not None and not same_tokenizer(own, tokenizer):
+        raise FastpplError(
+            f"--reference-model {config.reference_model} has a tokenizer of its own that differs from the run's "
+            f"({tokenizer.name}): the same ids would stand for other text; compare two models of one tokenizer")
+
+
+def load_reference(config: EvalConfig, dtype: torch.dtype, device: torch.device, model: nn.Module,
+                   tokenizer: Optional[Tokenizer] = None) -> Optional[nn.Module]:
     """The reference model (None without --reference-model) on its device (--reference-device, else the run's), in
-    the model's dtype; refused when its vocabulary is not the model's (the two must score the same token ids)."""
+    the model's dtype; refused when its vocabulary is not the model's (the two must score the same token ids), or
+    its own tokenizer is not the run's `tokenizer`."""
     if config.reference_model is None:
         return None
     seed = config.seed if config.reference_seed is None else config.reference_seed
@@ -57,6 +90,8 @@ def load_reference(config: EvalConfig, dtype: torch.dtype, device: torch.device,
         raise FastpplError(
             f"--reference-model {config.reference_model} has a vocabulary of {reference.vocab_size:,} ids but "
             f"--model {config.model} has {model.vocab_size:,}; compare two models of one tokenizer and vocabulary")
+    if tokenizer is not None:
+        check_reference_tokenizer(config, tokenizer)
     return reference
 
 

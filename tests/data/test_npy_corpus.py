@@ -45,6 +45,19 @@ def test_bad_token_id_files_are_one_line_errors(tmp_path, tokenizer_dir, array, 
         _run(tokenizer_dir, path)
 
 
+def test_ids_in_a_padded_vocabulary_but_not_the_tokenizers_are_refused(tmp_path, tokenizer_dir, capsys):
+    """llama-tiny pads its vocabulary to 50,304 ids; GPT-2's tokenizer has 50,257: ids between them have no text, so
+    their bytes would count 0 and bits per byte come out wrong."""
+    from fastppl.cli import main
+    path = tmp_path / "ids.npy"
+    np.save(path, np.array([50_300, 50_303]))
+    assert main(["eval", "--model", "random:llama-tiny", "--tokenizer", str(tokenizer_dir), "--data", str(path),
+                 "--ctx", "32", "--device", "cpu", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fastppl: error: ") and err.count("\n") == 1
+    assert "token id 50,303 is not a token of tokenizer" in err and "50,257 ids" in err
+
+
 def test_npy_corpus_path_and_split_errors(tmp_path, tokenizer_dir):
     with pytest.raises(FastpplError, match="no such file"):
         _run(tokenizer_dir, tmp_path / "missing.npy")

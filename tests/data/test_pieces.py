@@ -104,18 +104,6 @@ def test_long_runs_of_one_pattern_are_not_cut_wrongly(name, run, request):
                                                                                   add_special_tokens=False).ids
 
 
-def test_one_left_context_would_cut_a_digit_run_wrongly(llama3_style, monkeypatch):
-    """Why the cut is checked with two left contexts: with one of a length divisible by three, Llama-3's digit
-    groups look the same either side of a cut that the whole text groups differently."""
-    text = "digits " + "7" * 60_000 + " done"
-    expected = llama3_style.encode(text, add_special_tokens=False).ids
-    assert encode_in_pieces(llama3_style, text).ids.tolist() == expected
-    monkeypatch.setattr(pieces, "LEFT_CONTEXTS", (255,))
-    wrong = [offset for offset in range(3) if encode_in_pieces(
-        llama3_style, "x" * offset + text).ids.tolist() != llama3_style.encode("x" * offset + text).ids]
-    assert wrong
-
-
 def test_a_tokenizer_without_a_pre_tokenizer_is_encoded_whole(shakespeare):
     """Llama-2's tokenizer.json: a normalizer that prepends to the text's start, and no pre-tokenizer."""
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -142,13 +130,13 @@ def test_the_report_says_when_texts_were_encoded_whole(shakespeare, tmp_path):
 
 
 def test_no_safe_cut_falls_back_to_one_encode(shakespeare, gpt2):
-    """Metaspace without splitting makes one pre-token of the whole text: every candidate fails its check."""
+    """Metaspace without splitting makes one pre-token of the whole text: no cut is proven safe."""
     unsplit = _metaspace(shakespeare, "first", split=False)
     text = shakespeare.read_text()[:40_000]
     encoded = encode_in_pieces(unsplit, text)
-    assert encoded.pieces == 1 and "no cut point" in encoded.whole_reason
+    assert encoded.pieces == 1 and "Metaspace" in encoded.whole_reason
     assert encoded.ids.tolist() == unsplit.encode(text).ids
-    letters = "abc" * 20_000   # GPT-2: one word, no cut either
+    letters = "abc" * 20_000   # GPT-2: one word, no place to cut
     assert encode_in_pieces(gpt2, letters).whole_reason is not None
 
 
@@ -187,14 +175,20 @@ def test_a_run_scores_the_same_whether_its_text_is_cut_or_not(shakespeare, token
     assert [reports[0][f] for f in fields] == [reports[1][f] for f in fields]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif((os.cpu_count() or 1) < 16, reason="the rate is set for 16 cores")
-def test_rate_on_many_cores(gpt2, shakespeare):
-    """TinyShakespeare 30 times (33 MB, 10.1 M tokens): at least 5 M tokens/s, and the ids of one encode."""
+@pytest.mark.slow
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="parallel pieces need two cores")
+def test_pieces_beat_one_encode_on_many_cores(gpt2, shakespeare, monkeypatch):
+    """TinyShakespeare 30 times (33 MB, 10.1 M tokens) is cut into pieces, which on two cores or more encode at least
+    1.3 times as fast as one encode (a ratio on the same machine; the absolute rate is the benchmark's), and give the
+    ids of that encode."""
     import time
+    monkeypatch.setattr(pieces, "PIECE_CHARS", 1 << 16)   # the product's own piece size
     text = shakespeare.read_text() * 30
     started = time.perf_counter()
     encoded = encode_in_pieces(gpt2, text)
-    seconds = time.perf_counter() - started
-    assert encoded.ids.tolist() == gpt2.encode(text, add_special_tokens=False).ids
-    assert len(encoded.ids) / seconds >= 5e6, f"{len(encoded.ids) / seconds / 1e6:.2f} M tokens/s"
+    in_pieces = time.perf_counter() - started
+    started = time.perf_counter()
+    whole = gpt2.encode(text, add_special_tokens=False).ids
+    one_encode = time.perf_counter() - started
+    assert encoded.pieces > 400 and encoded.ids.tolist() == whole
+    assert one_encode / in_pieces >= 1.3, f"{one_encode / in_pieces:.2f}x one encode"

@@ -1,17 +1,15 @@
-"""Exact tokenisation of a long text in parallel: the text is cut where the tokenizer itself splits it, so that the
-pieces' ids, concatenated, are those of one `encode` of the whole text; the pieces go through `encode_batch` on all
-cores, a bounded group at a time (memory: the text, the ids, and two groups' encodings).
+"""Exact tokenisation of a long text in parallel: the text is cut where fastppl.data.cut_rules proves that a cut
+changes no id, so that the pieces' ids, concatenated, are those of one `encode` of the whole text; the pieces go
+through `encode_batch` on all cores, a bounded group at a time (memory: the text, the ids, and two groups'
+encodings). A tokenizer outside those rules, or a text without a place they allow, is encoded whole, and
+`Encoded.whole_reason` says why.
 
-A cut at position q is taken only when it changes no id near it: with `L` characters of left context and `R` of
-right context,
+Each allowed cut is checked once more, as a guard: with `L` characters of left context and `R` of right context,
 
     encode(text[q-L:q+R]) == encode(text[q-L:q]) + encode(text[q:q+R])      for L = 256 and L = 257
 
-The whole tokenizer runs in that check (normalizer, added tokens, pre-tokenizer, model), so a special token
-straddling q, a normalizer that acts on a text's first character (Prepend, Strip) or a pre-tokenizer that glues the
-characters around q fails it. Two left contexts of different lengths catch pre-tokenizers that group from the left
-(Llama-3's digits in threes). Candidate cuts are the tokenizer's own pre-token starts near each target. A text with
-no cut that passes, or a tokenizer without a pre-tokenizer, is encoded whole (`Encoded.whole_reason` says why).
+Parallel work runs on threads of fastppl's own, each with its share of a group (the tokenizer releases the GIL),
+so that it does not depend on TOKENIZERS_PARALLELISM: with it off, `encode_batch` alone runs on one thread.
 """
 from __future__ import annotations
 
@@ -22,6 +20,8 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from .cut_rules import AddedTokenWindow, cut_candidates, unprovable_reason
+
 PIECE_CHARS = 1 << 16             # a piece's target length; short enough that a group feeds every core
 # pieces per encode_batch call: enough for every core, few enough to bound the encodings held at once (two groups)
 GROUP_PIECES = max(32, 8 * (os.cpu_count() or 1))
@@ -30,6 +30,11 @@ TARGETS_AT_ONCE = 256
 CANDIDATES = 4                    # nearest candidates tried per target before the target is dropped
 LEFT_CONTEXTS = (256, 257)
 RIGHT_CONTEXT = 256
+THREADS = os.cpu_count() or 1
+
+
+NO_CUT = ("no place to cut: a cut needs a space between two ASCII letters or digits, away from added tokens, where "
+          "the ids stay unchanged")
 
 
 @dataclass
@@ -43,12 +48,22 @@ def _ids(encoding) -> np.ndarray:
     return np.asarray(encoding.ids, dtype=np.uint32)   # the tokenizer's own type; int64 once joined
 
 
-def _candidates(backend, text: str, target: int) -> list[int]:
-    """Pre-token starts near target, nearest first (absolute positions)."""
-    left = target - SEARCH_CHARS
-    starts = [left + start for _, (start, _) in backend.pre_tokenizer.pre_tokenize_str(
-        text[left:target + SEARCH_CHARS])]
-    return sorted((q for q in starts if q > left), key=lambda q: abs(q - target))[:CANDIDATES]
+def encode_batch(backend, texts: list[str]) -> list:
+    """backend.encode_batch_fast(texts) on THREADS threads of fastppl's own, each with a share of about as many
+    characters: all cores work whether or not TOKENIZERS_PARALLELISM lets the tokenizer use its own."""
+    if THREADS < 2 or len(texts) < 2:
+        return backend.encode_batch_fast(texts, add_special_tokens=False)
+    total, shares, share, share_chars = sum(map(len, texts)), [], [], 0
+    for text in texts:
+        share.append(text)
+        share_chars += len(text)
+        if share_chars * THREADS >= total * (len(shares) + 1) and len(shares) < THREADS - 1:
+            shares.append(share)
+            share = []
+    shares = [s for s in shares + [share] if s]
+    with ThreadPoolExecutor(max_workers=len(shares), thread_name_prefix="fastppl-encode") as threads:
+        encoded = threads.map(lambda part: backend.encode_batch_fast(part, add_special_tokens=False), shares)
+        return [encoding for share_encodings in encoded for encoding in share_encodings]
 
 
 def _check_texts(text: str, q: int) -> list[str]:
@@ -69,18 +84,20 @@ def _cut_is_exact(checks: list) -> bool:
 
 def iter_cuts(backend, text: str) -> Iterator[int]:
     """Positions 0 < q < len(text) where the text may be cut without changing its ids, in increasing order; found
-    a few hundred targets at a time, so that encoding can start before the last is found."""
+    a few hundred targets at a time, so that encoding can start before the last is found. The tokenizer must be
+    one that fastppl.data.cut_rules applies to (unprovable_reason(backend) is None)."""
     low, high = max(LEFT_CONTEXTS) + SEARCH_CHARS, len(text) - RIGHT_CONTEXT - SEARCH_CHARS
     targets = range(max(PIECE_CHARS, low), high, PIECE_CHARS)
+    added_tokens = AddedTokenWindow.of(backend)
     for first in range(0, len(targets), TARGETS_AT_ONCE):
-        pending = {t: _candidates(backend, text, t) for t in targets[first:first + TARGETS_AT_ONCE]}
+        pending = {t: cut_candidates(text, t, SEARCH_CHARS, added_tokens, CANDIDATES)
+                   for t in targets[first:first + TARGETS_AT_ONCE]}
         found = []
         for round_ in range(CANDIDATES):
             tried = [(t, c[round_]) for t, c in pending.items() if len(c) > round_]
             if not tried:
                 break
-            checks = backend.encode_batch_fast([s for _, q in tried for s in _check_texts(text, q)],
-                                               add_special_tokens=False)
+            checks = encode_batch(backend, [s for _, q in tried for s in _check_texts(text, q)])
             per_cut = 1 + 2 * len(LEFT_CONTEXTS)
             for k, (target, q) in enumerate(tried):
                 if _cut_is_exact(checks[per_cut * k:per_cut * (k + 1)]):
@@ -90,7 +107,7 @@ def iter_cuts(backend, text: str) -> Iterator[int]:
 
 
 def find_cuts(backend, text: str) -> list[int]:
-    return list(iter_cuts(backend, text))
+    return [] if unprovable_reason(backend) else list(iter_cuts(backend, text))
 
 
 def _groups(first_cut: int, cuts: Iterator[int], end: int) -> Iterator[list[tuple[int, int]]]:
@@ -112,18 +129,18 @@ def encode_in_pieces(backend, text: str) -> Encoded:
     encodings into ids and finds the next cuts."""
     if len(text) < 2 * PIECE_CHARS:   # one piece
         return Encoded(_whole(backend, text), 1, None)
-    if backend.pre_tokenizer is None:
-        return Encoded(_whole(backend, text), 1, "the tokenizer has no pre-tokenizer to cut the text at")
+    unprovable = unprovable_reason(backend)
+    if unprovable:
+        return Encoded(_whole(backend, text), 1, unprovable)
     cuts = iter_cuts(backend, text)
     first_cut = next(cuts, None)
     if first_cut is None:
-        return Encoded(_whole(backend, text), 1, "no cut point keeps the tokenizer's ids unchanged")
+        return Encoded(_whole(backend, text), 1, NO_CUT)
     parts, n_pieces, encoding = [], 0, None
     with ThreadPoolExecutor(max_workers=1) as encoder:
         for group in _groups(first_cut, cuts, len(text)):
             n_pieces += len(group)
-            next_encoding = encoder.submit(backend.encode_batch_fast, [text[a:b] for a, b in group],
-                                           add_special_tokens=False)
+            next_encoding = encoder.submit(encode_batch, backend, [text[a:b] for a, b in group])
             if encoding is not None:
                 parts += [_ids(e) for e in encoding.result()]
             encoding = next_encoding
@@ -137,7 +154,7 @@ def encode_short_texts(backend, texts: list[str]) -> list[np.ndarray]:
     ids, group, group_chars = [], [], 0
     for text in texts + [None]:   # None: the end, which flushes the last group
         if group and (text is None or group_chars + len(text) > GROUP_PIECES * PIECE_CHARS):
-            ids += [_ids(e).astype(np.int64) for e in backend.encode_batch_fast(group, add_special_tokens=False)]
+            ids += [_ids(e).astype(np.int64) for e in encode_batch(backend, group)]
             group, group_chars = [], 0
         if text is not None:
             group.append(text)

@@ -168,4 +168,8 @@ def with_decoded_text(document: Document, tokenizer: Tokenizer, vocab_size: int)
     if largest >= vocab_size:
         raise FastpplError(f"{document.id}: token id {largest:,} is outside the model's vocabulary of "
                            f"{vocab_size:,}; the ids must come from the model's tokenizer")
+    if largest >= tokenizer.vocab_size:   # in a padded vocabulary: scored, but no text (no bytes) stands for it
+        raise FastpplError(f"{document.id}: token id {largest:,} is not a token of tokenizer {tokenizer.name!r}, "
+                           f"which has {tokenizer.vocab_size:,} ids (the model's {vocab_size:,} pad its vocabulary); "
+                           "the ids must come from the model's tokenizer")
     return dataclasses.replace(document, text=tokenizer.decode(document.token_ids.tolist()))

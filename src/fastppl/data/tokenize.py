@@ -84,17 +84,62 @@ class Tokenizer:
         return self.n_bytes(ids[left:i + 1].tolist()) - self.n_bytes(ids[left:i].tolist())
 
 
+def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
+    """Whether two tokenizers map text to ids alike: the token cache's fingerprints (of the file read, or of the
+    tokenizer), else, where they were read by different routes, the fingerprints of the tokenizers themselves."""
+    return a.fingerprint == b.fingerprint or _fingerprint(a.backend) == _fingerprint(b.backend)
+
+
 def _fingerprint(backend) -> str:
     return hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest()[:16]
 
 
-def _file_fingerprint(path: Path) -> str:
-    """The fingerprint of a tokenizer read from `path` alone: its bytes and the library that reads them. Hashing
-    the file is cheaper than serialising the tokenizer again (0.13 s on a 16-core host, for GPT-2's)."""
+def _file_fingerprint(path: Path, added: Optional[list] = None) -> str:
+    """The fingerprint of a tokenizer read from `path` (and the added tokens put on top of it): its bytes and the
+    library that reads them. Hashing the file is cheaper than serialising the tokenizer again (0.13 s on a 16-core
+    host, for GPT-2's)."""
+    import json
+
     import tokenizers
     digest = hashlib.sha256(f"tokenizers {tokenizers.__version__}\n".encode())
     digest.update(path.read_bytes())
+    if added:
+        digest.update(json.dumps(added, sort_keys=True).encode())
     return digest.hexdigest()[:16]
+
+
+ADDED_TOKEN_FLAGS = ("lstrip", "rstrip", "single_word", "normalized", "special")
+
+
+def _has_flags(token, entry: dict) -> bool:
+    return token is not None and token.content == entry["content"] and all(
+        getattr(token, flag) == entry[flag] for flag in ADDED_TOKEN_FLAGS)
+
+
+def _add_config_tokens(directory: Path, config: dict, backend) -> Optional[list]:
+    """The added tokens that tokenizer_config.json declares (added_tokens_decoder) and tokenizer.json lacks, or
+    holds with other flags, added to backend as transformers adds them (in id order, special ones as special, with
+    the declared flags). Returns those entries ([] when none), or None where transformers must load the tokenizer:
+    an added_tokens.json, additional special tokens the file lacks, or a token that would not land at its
+    declared id (what transformers does then is its own)."""
+    from tokenizers import AddedToken
+    declared = config.get("added_tokens_decoder") or {}
+    present = backend.get_added_tokens_decoder()
+    extra = config.get("additional_special_tokens") or []
+    if (directory / "added_tokens.json").exists() or not isinstance(declared, dict) or any(
+            (token.get("content") if isinstance(token, dict) else token) not in
+            {t.content for t in present.values()} | {e.get("content") for e in declared.values()} for token in extra):
+        return None
+    try:
+        entries = sorted(((int(key), entry) for key, entry in declared.items()), key=lambda item: item[0])
+        added = [entry for key, entry in entries if not _has_flags(present.get(key), entry)]
+        for entry in added:
+            token = AddedToken(entry["content"], **{flag: bool(entry[flag]) for flag in ADDED_TOKEN_FLAGS})
+            (backend.add_special_tokens if entry["special"] else backend.add_tokens)([token])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    now = backend.get_added_tokens_decoder()
+    return added if all(_has_flags(now.get(key), entry) for key, entry in entries) else None
 
 
 def _special_token(config: dict, key: str):
@@ -135,8 +180,9 @@ TOKENIZER_JSON_CLASSES = (None, "GPT2Tokenizer", "GPT2TokenizerFast", "PreTraine
 def _load_tokenizer_json(directory: Path, name: str) -> Optional[Tokenizer]:
     """A local tokenizer.json read by `tokenizers` alone: about 0.1 s, where transformers' AutoTokenizer
     took 6.8 s on a 16-core host (its import, then rebuilding the tokenizer).
-    None when the directory's tokenizer_config.json asks for more than the file holds (a custom class,
-    or options that transformers applies on top of tokenizer.json), so transformers loads it instead."""
+    Added tokens that tokenizer_config.json declares are put on top, as transformers puts them. None when the
+    directory's tokenizer_config.json asks for more than that (a custom class, or other options that transformers
+    applies on top of tokenizer.json), so transformers loads it instead."""
     import json
     from tokenizers import Tokenizer as RustTokenizer
 
@@ -149,6 +195,11 @@ def _load_tokenizer_json(directory: Path, name: str) -> Optional[Tokenizer]:
         return None
     if config.get("tokenizer_class") not in TOKENIZER_JSON_CLASSES or config.get("add_prefix_space"):
         return None
+    added = _add_config_tokens(directory, config, backend)
+    if added is None:
+        return None
+    if added:
+        fingerprint = _file_fingerprint(directory / "tokenizer.json", added)
     ids = _special_ids(directory, config, backend)
     bos_id = ids["bos_token"] if ids["bos_token"] is not None else ids["eos_token"]
     return Tokenizer(backend=backend, name=name, fingerprint=fingerprint, bos_id=bos_id,
