@@ -1,14 +1,22 @@
-"""The report of `fastppl eval`: its --json fields pinned (names, order and values) against a stored report of a
-small random:gpt2-tiny run, so that a change to how the result is assembled cannot rename, reorder or drop one."""
+"""fastppl.report.result: the --json report's fields pinned (names, order and values) against a stored report of a
+small random:gpt2-tiny run, so that a change to how the result is assembled cannot rename, reorder or drop one; the
+EvalResult's typed fields against that report; the position, corpus and memory figures on their own."""
 import json
 import math
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
+from fastppl import evaluate
 from fastppl.cli import main
 from fastppl.config import EvalConfig
+from fastppl.engine.score import DeviceSums
+from fastppl.report.files import finite_or_null
+from fastppl.report.result import EvalResult, by_position, corpus_metrics, tokenization_note
 
 PINNED = Path(__file__).resolve().parents[1] / "fixtures" / "eval_report_gpt2_tiny.json"
 # fields whose values depend on the machine, the clock or the run's paths: their names are pinned, not their values
@@ -84,3 +92,74 @@ def test_the_json_report_keeps_its_fields_order_and_values(tmp_path, tokenizer_d
     assert len(scored) == report["tokens_scored"]
     assert math.fsum(scored) == pytest.approx(report["nll_sum"], rel=1e-5)
     assert "nll " in capsys.readouterr().out   # the summary printed
+
+
+def test_evaluate_gives_typed_fields_that_the_report_repeats(tmp_path, tokenizer_dir, corpus):
+    result = evaluate(EvalConfig(model="random:gpt2-tiny", data=[str(corpus)], tokenizer=str(tokenizer_dir),
+                                 device="cpu", ctx=16, batch_size=3, per_token="(kept)", per_doc="(kept)", quiet=True))
+    assert isinstance(result, EvalResult)
+    report = result.to_dict()
+    assert not [key for key in report if key.startswith("_")]   # --per-token and --per-doc's data are fields
+    assert dict(result) == report and result["nll"] == result.metrics.nll and "divergence" not in result
+    assert (result.metrics.tokens_scored, result.corpus.documents, result.how_it_ran.batch_size) == (
+        report["tokens_scored"], 4, 3)
+    assert result.timings.stage_seconds is report["stage_seconds"] and "scoring" in result.timings.stage_seconds
+    assert result.by_position.tokens == report["tokens_by_position"] and len(result.by_position.nll) == 16
+    assert result.per_token.shape == (result.metrics.tokens_total,)
+    assert [d["id"] for d in result.per_doc] == [f"doc-{i}" for i in range(4)]
+    assert math.fsum(d["nll_sum"] for d in result.per_doc) == pytest.approx(result.metrics.nll_sum, rel=1e-9)
+    json.dumps(finite_or_null(report), allow_nan=False)   # the report is plain JSON
+    plain = evaluate(EvalConfig(model="random:gpt2-tiny", data=[str(corpus)], tokenizer=str(tokenizer_dir),
+                                device="cpu", ctx=16, batch_size=3, quiet=True))
+    assert plain.per_token is None and plain.per_doc is None and plain["nll_sum"] == result["nll_sum"]
+
+
+def test_a_divergence_run_adds_its_section_last_and_five_per_token_columns(tmp_path, tokenizer_dir, corpus):
+    result = evaluate(EvalConfig(model="random:gpt2-tiny", reference_model="random:gpt2-tiny", reference_seed=1,
+                                 data=[str(corpus)], tokenizer=str(tokenizer_dir), device="cpu", ctx=16,
+                                 batch_size=3, per_token="(kept)", quiet=True))
+    assert list(result.to_dict())[-2:] == ["protocol", "divergence"]
+    assert result.divergence["nll"] == result.metrics.nll and result["divergence"] is result.divergence
+    assert result.per_token.shape == (result.metrics.tokens_total, 5)
+
+
+def test_by_position_divides_the_sums_once_and_leaves_unscored_positions_empty():
+    sums = DeviceSums.zeros(4, torch.device("cpu"))
+    sums.position_nll_sum += torch.tensor([6.0, 3.0, 0.0, 2.0], dtype=torch.float64)
+    sums.position_nll_sq_sum += torch.tensor([20.0, 9.0, 0.0, 4.0], dtype=torch.float64)
+    sums.position_count += torch.tensor([2.0, 1.0, 0.0, 1.0], dtype=torch.float64)
+    positions = by_position(sums)
+    assert positions.nll == [3.0, 3.0, None, 2.0] and positions.tokens == [2, 1, 0, 1]
+    assert positions.nll_std == pytest.approx([1.0, 0.0, None, 0.0])   # sqrt(20 / 2 - 3^2); the rest constant
+
+
+def test_corpus_metrics_arithmetic():
+    plan = SimpleNamespace(n_scored=4, n_tokens=5)
+    figures = corpus_metrics(8.0, plan, n_bytes=16, n_words=2)
+    assert figures["nll"] == 2.0 and figures["ppl"] == pytest.approx(math.exp(2.0))
+    assert figures["bits_per_token"] == pytest.approx(2 / math.log(2))
+    assert figures["bits_per_byte"] == pytest.approx(8 / math.log(2) / 16)
+    assert figures["word_perplexity"] == pytest.approx(math.exp(4.0))
+    assert math.isnan(corpus_metrics(8.0, plan, n_bytes=0, n_words=0)["bits_per_byte"])
+
+
+@pytest.mark.parametrize("whole, encoded, cached, note", [
+    ("a tokenizer that merges across any cut", 3, 0, "whole texts: a tokenizer that merges across any cut"),
+    (None, 0, 3, "from the token cache (an earlier run's ids)"),
+    (None, 2, 1, "exact, long texts in parallel pieces"),
+])
+def test_tokenization_note(whole, encoded, cached, note):
+    tokenizer = SimpleNamespace(whole_text_reason=whole, texts_encoded=encoded, texts_from_cache=cached)
+    assert tokenization_note(tokenizer) == note
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux: getrusage's peak survives fork and exec")
+def test_host_peak_is_the_programs_own_not_its_parents():
+    """A process started by one that holds a lot (a benchmark that built the checkpoint, a notebook) reports its
+    own peak: getrusage's ru_maxrss gives the parent's resident memory at the fork when that was larger."""
+    import subprocess
+    held = bytearray(800 * 2**20)
+    held[::4096] = b"\1" * len(held[::4096])   # resident, not only reserved
+    code = "from fastppl.report.result import peak_host_memory_bytes as peak; print(peak())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert int(done.stdout) < 500 * 2**20 < len(held)   # the child imports torch: about 230 MB
