@@ -173,6 +173,7 @@ CASES = [   # window, ctx, stride, bos, batch size, preset
 ]
 
 
+@pytest.mark.slow   # float64 brute force over every window
 @pytest.mark.parametrize("window, ctx, stride, bos, batch_size, preset", CASES)
 def test_every_statistic_equals_the_float64_brute_force(related_models, tokenizer_dir, text_path, token_ids,
                                                         window, ctx, stride, bos, batch_size, preset):
@@ -194,6 +195,7 @@ def test_every_statistic_equals_the_float64_brute_force(related_models, tokenize
     _assert_statistics(result, expected)
 
 
+@pytest.mark.slow   # float64 brute force over every window
 @pytest.mark.parametrize("batching", ["packed", "bucketed"])
 def test_documents_packed_or_bucketed_equal_the_brute_force(related_models, tokenizer_dir, tmp_path, batching):
     docs = tmp_path / "docs.jsonl"
@@ -343,6 +345,7 @@ def test_two_ranks_equal_one_process(tmp_path, tokenizer_dir, text_path):
         np.testing.assert_array_equal(np.load(one / f"{name}.npy"), np.load(two / f"{name}.npy"))
 
 
+@pytest.mark.slow   # a process of its own
 def test_the_benchmark_runs_tiny_on_the_cpu(tmp_path, tokenizer_dir, text_path):
     """benchmarks/divergence.py: the three variants on the same tokens, their table, and the peer's stored
     log-probabilities (2 bytes per vocabulary entry per scored token) giving the one pass' mean KLD to fp16's

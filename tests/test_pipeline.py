@@ -52,6 +52,7 @@ def _native_nll(ids: list[int]) -> np.ndarray:
     return -torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].numpy()
 
 
+@pytest.mark.slow   # nine runs
 @pytest.mark.parametrize("window, stride, bos", [("chunked", None, False), ("sliding", 20, False),
                                                  ("sliding", 13, True)])
 def test_batch_size_invariance(tokenizer_dir, text_path, window, stride, bos):
@@ -98,6 +99,7 @@ def test_per_token_chunked(tmp_path, tokenizer_dir, text_path, text, hf_tokenize
     np.testing.assert_allclose(per_token[:CTX], _native_nll([bos] + ids[:CTX]), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_per_token_sliding_has_nan_where_unscored(tmp_path, tokenizer_dir, text_path, text, hf_tokenizer):
     ids = hf_tokenizer(text)["input_ids"]
     result, per_token = _cli(tmp_path, tokenizer_dir, text_path, "--window", "sliding", "--stride", "10")
@@ -143,6 +145,7 @@ def test_jsonl_text_field(tmp_path, tokenizer_dir):
     assert result["documents"] == 2 and result["tokens_scored"] > 8
 
 
+@pytest.mark.slow   # four runs
 def test_metrics_arithmetic_and_bytes(tokenizer_dir, text_path, text, hf_tokenizer):
     ids = hf_tokenizer(text)["input_ids"]
     n_bytes = len(text.encode("utf-8"))

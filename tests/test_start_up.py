@@ -158,6 +158,7 @@ def test_the_command_reports_the_process_start_before_evaluate(tokenizer_dir, te
     assert stages["start_up"] > 0 and set(MAIN_THREAD_STAGES) <= set(stages)
 
 
+@pytest.mark.slow   # a process of its own
 def test_the_process_age_counts_from_the_interpreters_start():
     import subprocess
     import sys

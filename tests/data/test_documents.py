@@ -63,6 +63,7 @@ def by_id(result):
     return {d["id"]: d for d in result.per_doc}
 
 
+@pytest.mark.slow   # every batching against one run per document
 @pytest.mark.parametrize("window", [{"window": "chunked"}, {"window": "sliding", "stride": 16}])
 def test_batching_modes_match_one_document_at_a_time(tokenizer_dir, corpus_dir, window):
     results = {mode: run(tokenizer_dir, [corpus_dir], batching=mode, **window)

@@ -62,6 +62,7 @@ def _run(tokenizer_dir, data, **overrides):
                                device="cpu", quiet=True, batch_size=4, per_doc="(kept)", **overrides))
 
 
+@pytest.mark.slow   # five runs
 def test_group_sums_equal_the_ungrouped_run(tmp_path, tokenizer_dir, records, sharpened_random_models):
     data = _jsonl(tmp_path / "docs.jsonl", records)
     plain = _run(tokenizer_dir, data)

@@ -1,6 +1,7 @@
 """fastppl.report.result: the --json report's fields pinned (names, order and values) against a stored report of a
 small random:gpt2-tiny run, so that a change to how the result is assembled cannot rename, reorder or drop one; the
-EvalResult's typed fields against that report; the position, corpus and memory figures on their own."""
+EvalResult's typed fields against that report; the position, corpus and memory figures on their own. After a
+deliberate change of the report, `PYTHONPATH=src python tests/report/test_result.py` rewrites the stored report."""
 import json
 import math
 import sys
@@ -56,14 +57,18 @@ def assert_same(actual, expected, where="report"):
         assert actual == expected, where
 
 
-@pytest.fixture
-def corpus(tmp_path, shakespeare):
+def write_corpus(path: Path, shakespeare: Path) -> Path:
+    """Four documents of two domains, of 16 to 78 tokens."""
     text = shakespeare.read_text()
     documents = [{"id": f"doc-{i}", "domain": "ab"[i % 2], "text": text[900 * i:900 * i + length]}
                  for i, length in enumerate((120, 300, 60, 200))]
-    path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps(d) + "\n" for d in documents))
     return path
+
+
+@pytest.fixture
+def corpus(tmp_path, shakespeare):
+    return write_corpus(tmp_path / "docs.jsonl", shakespeare)
 
 
 def eval_report(tmp_path, tokenizer_dir, corpus, monkeypatch) -> tuple[dict, list, np.ndarray]:
@@ -153,6 +158,7 @@ def test_tokenization_note(whole, encoded, cached, note):
     assert tokenization_note(tokenizer) == note
 
 
+@pytest.mark.slow   # a process of its own
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux: getrusage's peak survives fork and exec")
 def test_host_peak_is_the_programs_own_not_its_parents():
     """A process started by one that holds a lot (a benchmark that built the checkpoint, a notebook) reports its
@@ -163,3 +169,17 @@ def test_host_peak_is_the_programs_own_not_its_parents():
     code = "from fastppl.report.result import peak_host_memory_bytes as peak; print(peak())"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert int(done.stdout) < 500 * 2**20 < len(held)   # the child imports torch: about 230 MB
+
+
+if __name__ == "__main__":
+    # after a deliberate change of the report's fields: rewrite the stored report from this checkout's run
+    #   PYTHONPATH=src python tests/report/test_result.py
+    import sys as _sys
+    import tempfile
+    _sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from conftest import SHAKESPEARE, TOKENIZER_DIR
+    with tempfile.TemporaryDirectory() as directory, pytest.MonkeyPatch.context() as patch:
+        data = write_corpus(Path(directory) / "docs.jsonl", SHAKESPEARE)
+        report, per_doc, _ = eval_report(Path(directory), TOKENIZER_DIR, data, patch)
+    PINNED.write_text(json.dumps({"report": pinned_form(report), "per_doc": per_doc}, indent=1) + "\n")
+    print(f"wrote {PINNED}")
