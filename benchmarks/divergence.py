@@ -46,11 +46,11 @@ def fastppl_run(args, reference: bool) -> dict:
         device=args.device, dtype=args.dtype, batch_size=args.batch_size, quiet=True,
         reference_model=f"random:{args.model}" if reference else None,
         reference_seed=args.reference_seed if reference else None))
-    divergence = result.get("divergence", {})
-    peak = result["peak_memory_bytes"] or result["peak_host_memory_bytes"]
-    return {"tokens": result["tokens_scored"], "tokens_per_second": result["tokens_per_second"],
+    divergence = result.divergence or {}
+    peak = result.timings.peak_memory_bytes or result.timings.peak_host_memory_bytes
+    return {"tokens": result.metrics.tokens_scored, "tokens_per_second": result.timings.tokens_per_second,
             "peak_bytes": peak, "kld_mean": divergence.get("kld_mean"), "stored_bytes": 0,
-            "batch_size": result["batch_size"], "weights_bytes": (2 if reference else 1) * weights_bytes(args)}
+            "batch_size": result.how_it_ran.batch_size, "weights_bytes": (2 if reference else 1) * weights_bytes(args)}
 
 
 def weights_bytes(args) -> int:

@@ -5,10 +5,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 
 
+@pytest.mark.slow   # every script in its own process
 def test_every_benchmark_script_runs_on_the_cpu_and_prints_its_table(tmp_path, tokenizer_dir):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("Now is the winter of our discontent made glorious summer by this sun of York.\n" * 12)

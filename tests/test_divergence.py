@@ -156,7 +156,7 @@ def _stream_and_pairs(ids: list[int], window: str, ctx: int, stride, bos: bool):
 
 def _assert_statistics(result: dict, expected: dict) -> None:
     d = result["divergence"]
-    largest_p = float(np.exp(-np.nanmin(result["_per_token"][:, :2])))   # the likeliest target of either model
+    largest_p = float(np.exp(-np.nanmin(result.per_token[:, :2])))   # the likeliest target of either model
     for name, value in expected.items():
         # Δp is a difference of two probabilities, each within 1e-6 relative in fp32; where they nearly cancel the
         # difference's relative error grows as p / Δp, so Δp is held to 1e-6 of the probabilities instead
@@ -173,6 +173,7 @@ CASES = [   # window, ctx, stride, bos, batch size, preset
 ]
 
 
+@pytest.mark.slow   # float64 brute force over every window
 @pytest.mark.parametrize("window, ctx, stride, bos, batch_size, preset", CASES)
 def test_every_statistic_equals_the_float64_brute_force(related_models, tokenizer_dir, text_path, token_ids,
                                                         window, ctx, stride, bos, batch_size, preset):
@@ -183,7 +184,7 @@ def test_every_statistic_equals_the_float64_brute_force(related_models, tokenize
     for dtype, into in ((torch.float32, expected_columns), (torch.float64, float64_columns)):
         for target, columns in _brute_force_columns(_models(related_models, preset, dtype), stream, pairs).items():
             into[target - offset] = columns
-    per_token = result["_per_token"]
+    per_token = result.per_token
     assert per_token.shape == expected_columns.shape and per_token.dtype == np.float32
     np.testing.assert_array_equal(np.isnan(per_token), np.isnan(expected_columns))   # the same tokens scored
     np.testing.assert_allclose(per_token, expected_columns, rtol=1e-6, atol=1e-9)
@@ -194,6 +195,7 @@ def test_every_statistic_equals_the_float64_brute_force(related_models, tokenize
     _assert_statistics(result, expected)
 
 
+@pytest.mark.slow   # float64 brute force over every window
 @pytest.mark.parametrize("batching", ["packed", "bucketed"])
 def test_documents_packed_or_bucketed_equal_the_brute_force(related_models, tokenizer_dir, tmp_path, batching):
     docs = tmp_path / "docs.jsonl"
@@ -208,14 +210,14 @@ def test_documents_packed_or_bucketed_equal_the_brute_force(related_models, toke
         by_target = _brute_force_columns(models, [BOS] + ids, lm_eval_rolling_pairs(len(ids), 16))
         expected_columns += [by_target[j + 1] for j in range(len(ids))]
     expected_columns = np.array(expected_columns)
-    np.testing.assert_allclose(result["_per_token"], expected_columns, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(result.per_token, expected_columns, rtol=1e-5, atol=1e-7)
     _assert_statistics(result, _brute_force_statistics(expected_columns))
 
 
 def test_kld_by_position_is_the_mean_at_each_position(related_models, tokenizer_dir, text_path, token_ids):
     result = _evaluate(tokenizer_dir, [text_path], ctx=32, batch_size=3)
     pairs = lm_eval_rolling_pairs(len(token_ids), 32)
-    kld = result["_per_token"][:, COLUMNS.index("kld")].astype(np.float64)
+    kld = result.per_token[:, COLUMNS.index("kld")].astype(np.float64)
     positions = np.array([target - start - 1 for start, target in pairs])   # tokens read before the target, - 1
     expected = [kld[positions == p].mean() for p in range(32)]
     assert result["divergence"]["kld_by_position"] == pytest.approx(expected, rel=1e-9)
@@ -343,6 +345,7 @@ def test_two_ranks_equal_one_process(tmp_path, tokenizer_dir, text_path):
         np.testing.assert_array_equal(np.load(one / f"{name}.npy"), np.load(two / f"{name}.npy"))
 
 
+@pytest.mark.slow   # a process of its own
 def test_the_benchmark_runs_tiny_on_the_cpu(tmp_path, tokenizer_dir, text_path):
     """benchmarks/divergence.py: the three variants on the same tokens, their table, and the peer's stored
     log-probabilities (2 bytes per vocabulary entry per scored token) giving the one pass' mean KLD to fp16's

@@ -41,6 +41,7 @@ def test_greedy_equals_transformers_generate(preset):
         assert len(set(got)) > 3     # a real test: the text is not one id repeated
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
 def test_batched_prompts_of_different_lengths_equal_one_by_one(preset):
     model = _model(preset)
@@ -64,6 +65,7 @@ def test_batched_prompts_of_different_lengths_equal_one_by_one(preset):
         assert batched.decode_steps == 15
 
 
+@pytest.mark.slow
 def test_sampling_is_reproducible_with_a_seed():
     model = _model("llama-tiny")
     prompts = _prompts([4, 6])
@@ -141,6 +143,7 @@ def test_zero_probability_is_never_drawn():
     assert set(draws[:, 0].tolist()) == {7} and set(draws[:, 1].tolist()) <= {7, 9}
 
 
+@pytest.mark.slow
 def test_rows_stop_at_end_of_text():
     model = _model("gpt2-tiny")
     prompts = _prompts([3, 8])

@@ -250,7 +250,7 @@ def test_error_bars_on_cuda_equal_a_direct_computation(tmp_path, tokenizer_dir, 
     for data in (docs, single):
         result = evaluate(EvalConfig(model="random:gpt2", tokenizer=tokenizer, data=[str(data)], ctx=1024,
                                      quiet=True, per_token="(returned)", bootstrap=200))
-        scored = result["_per_token"][~np.isnan(result["_per_token"])].astype(np.float64)
+        scored = result.per_token[~np.isnan(result.per_token)].astype(np.float64)
         assert result["nll_stderr"] == pytest.approx(scored.std(ddof=1) / math.sqrt(len(scored)), rel=1e-6)
         units = result["bootstrap"]["resampled"]
         assert sum(units["tokens"]) == result["tokens_scored"]

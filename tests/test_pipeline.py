@@ -2,7 +2,8 @@
 documents, the metrics' arithmetic and the JSON report's fields."""
 import json
 import math
-import sys
+import runpy
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -51,6 +52,7 @@ def _native_nll(ids: list[int]) -> np.ndarray:
     return -torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].numpy()
 
 
+@pytest.mark.slow   # nine runs
 @pytest.mark.parametrize("window, stride, bos", [("chunked", None, False), ("sliding", 20, False),
                                                  ("sliding", 13, True)])
 def test_batch_size_invariance(tokenizer_dir, text_path, window, stride, bos):
@@ -97,6 +99,7 @@ def test_per_token_chunked(tmp_path, tokenizer_dir, text_path, text, hf_tokenize
     np.testing.assert_allclose(per_token[:CTX], _native_nll([bos] + ids[:CTX]), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_per_token_sliding_has_nan_where_unscored(tmp_path, tokenizer_dir, text_path, text, hf_tokenizer):
     ids = hf_tokenizer(text)["input_ids"]
     result, per_token = _cli(tmp_path, tokenizer_dir, text_path, "--window", "sliding", "--stride", "10")
@@ -142,6 +145,7 @@ def test_jsonl_text_field(tmp_path, tokenizer_dir):
     assert result["documents"] == 2 and result["tokens_scored"] > 8
 
 
+@pytest.mark.slow   # four runs
 def test_metrics_arithmetic_and_bytes(tokenizer_dir, text_path, text, hf_tokenizer):
     ids = hf_tokenizer(text)["input_ids"]
     n_bytes = len(text.encode("utf-8"))
@@ -186,18 +190,6 @@ def test_json_report_fields(tmp_path, tokenizer_dir, text_path):
     assert len(result["nll_by_position"]) == CTX
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux: getrusage's peak survives fork and exec")
-def test_host_peak_is_the_programs_own_not_its_parents():
-    """A process started by one that holds a lot (a benchmark that built the checkpoint, a notebook) reports its
-    own peak: getrusage's ru_maxrss gives the parent's resident memory at the fork when that was larger."""
-    import subprocess
-    held = bytearray(800 * 2**20)
-    held[::4096] = b"\1" * len(held[::4096])   # resident, not only reserved
-    code = "from fastppl.report.result import peak_host_memory_bytes as peak; print(peak())"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert int(done.stdout) < 500 * 2**20 < len(held)   # the child imports torch: about 230 MB
-
-
 def test_ctx_defaults_to_the_model_maximum(tokenizer_dir, text_path):
     r = _run(tokenizer_dir, [text_path], ctx=None)
     assert r["ctx"] == 256 and r["config"]["ctx"] is None
@@ -230,3 +222,14 @@ def test_auto_batch_size_is_not_balanced_where_that_runs_no_fewer_rows(tmp_path,
     auto = _run(tokenizer_dir, [corpus], batch_size="auto", batching="packed")
     assert auto["windows"] == 20 and balanced_batch_size(8, 20) == 7
     assert auto["batches"] == 1 and auto["batch_size"] == 8
+
+
+def test_the_python_api_example_prints_what_its_page_shows(monkeypatch, capsys, tokenizer_dir):
+    root = Path(__file__).resolve().parents[1]
+    page = (root / "docs" / "python-api.md").read_text()
+    example = root / "docs" / "examples" / "python_api.py"
+    assert f"```python\n{example.read_text()}```" in page   # the page shows the script as it is
+    printed = page.split("It prints:\n\n```\n", 1)[1].split("```", 1)[0]
+    monkeypatch.setenv("FASTPPL_SHARED_DATA", str(tokenizer_dir.parent))
+    runpy.run_path(str(example), run_name="__main__")
+    assert capsys.readouterr().out == printed

@@ -67,7 +67,7 @@ def test_gptq_equals_its_eval_loop(tmp_path, hf_model, bos_tokenizer_dir, shakes
     nlls = reference_nlls(hf_model, pairs)
     assert result["tokens_scored"] == len(pairs) and result["windows"] == len(pairs) // (CTX - 1)
     assert result["ppl"] == pytest.approx(gptq_metric(nlls, CTX), rel=1e-5)
-    per_token = result["_per_token"]   # token k is stream position k + 1 (the tokenizer's BOS first)
+    per_token = result.per_token   # token k is stream position k + 1 (the tokenizer's BOS first)
     scored = ~np.isnan(per_token)
     assert [k for k in np.flatnonzero(~scored) if k + 1 < result["windows"] * CTX] == \
         [k for k in range(result["windows"] * CTX - 1) if (k + 1) % CTX == 0]
@@ -105,7 +105,7 @@ def test_lm_eval_wikitext_equals_the_task(tmp_path, hf_model, tokenizer_dir, sha
     for metric, value in expected.items():
         assert result[metric] == pytest.approx(value, rel=1e-6)
         assert result["protocol"]["reported"][metric] == result[metric]
-    assert [d["nll_sum"] for d in result["_per_doc"]] == pytest.approx(nll_by_page[:2], rel=1e-5)
+    assert [d["nll_sum"] for d in result.per_doc] == pytest.approx(nll_by_page[:2], rel=1e-5)
 
 
 def test_hf_guide_equals_the_guide(tmp_path, hf_model, bos_tokenizer_dir, shakespeare):

@@ -56,6 +56,7 @@ def checkpoint_meta(directory: Path) -> tuple[dict, np.ndarray]:
         return json.loads(str(stored["meta"])), stored["finished_windows"]
 
 
+@pytest.mark.slow   # processes killed and rerun
 def test_killed_at_random_batches_then_resumed_gives_exactly_the_uninterrupted_result(tokenizer_dir, corpus_dir, tmp_path):
     reference_dir, resumed_dir, checkpoint_dir = (tmp_path / name for name in ("reference", "resumed", "ckpt"))
     reference_dir.mkdir()
@@ -156,6 +157,7 @@ def test_finished_checkpoint_reruns_without_scoring_and_other_arguments_are_refu
     assert "is a file" in capsys.readouterr().err
 
 
+@pytest.mark.slow   # the trained checkpoint fixture (training on the CPU)
 def test_a_checkpoint_of_other_text_seed_or_model_files_is_refused(
         tokenizer_dir, corpus_dir, tiny_trained_checkpoint, tmp_path, capsys):
     """Not only the arguments: the corpus's text (same file names and lengths, one character changed), a document's
@@ -229,6 +231,7 @@ def test_checkpoints_by_time_alone_and_a_checkpoint_of_another_plan_is_refused(t
     assert refused.stderr.count("\n") == 1 and not (tmp_path / "r.json").exists()
 
 
+@pytest.mark.slow   # the trained checkpoint fixture (training on the CPU)
 def test_the_same_run_given_otherwise_is_resumed(tokenizer_dir, corpus_dir, tiny_trained_checkpoint, tmp_path,
                                                  monkeypatch, capsys):
     """Arguments are compared as resolved: --ctx 256 is the default ctx of this model, and a relative path names the
@@ -255,6 +258,7 @@ def test_the_same_run_given_otherwise_is_resumed(tokenizer_dir, corpus_dir, tiny
     finished_without_scoring([value if value != str(tmp_path / "model") else "./model" for value in with_model])
 
 
+@pytest.mark.slow   # processes killed and rerun
 def test_temporary_files_of_a_save_cut_by_a_kill_are_removed_by_the_next_run(tokenizer_dir, corpus_dir, tmp_path):
     """A kill between writing a checkpoint's (or an output's) temporary file and its rename left .NAME.XXXXXXXX
     files behind for good; the next run removes them, and still ends with the uninterrupted result."""

@@ -57,7 +57,7 @@ def test_tokenizing_beside_loading_gives_the_result_of_one_after_the_other(token
     sequential = _run(tokenizer_dir, texts, per_token=str(tmp_path / "sequential.npy"))
     for key in ("nll_sum", "tokens_scored", "bytes", "corpus_sha256", "windows"):
         assert overlapped[key] == sequential[key], key
-    assert overlapped["_per_token"].tobytes() == sequential["_per_token"].tobytes()
+    assert overlapped.per_token.tobytes() == sequential.per_token.tobytes()
 
 
 def test_tokenizing_runs_while_the_model_loads(tokenizer_dir, texts, monkeypatch):
@@ -158,6 +158,7 @@ def test_the_command_reports_the_process_start_before_evaluate(tokenizer_dir, te
     assert stages["start_up"] > 0 and set(MAIN_THREAD_STAGES) <= set(stages)
 
 
+@pytest.mark.slow   # a process of its own
 def test_the_process_age_counts_from_the_interpreters_start():
     import subprocess
     import sys

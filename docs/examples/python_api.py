@@ -22,16 +22,17 @@ workdir = pathlib.Path(tempfile.mkdtemp())
 corpus = workdir / "three.jsonl"
 corpus.write_text("".join(json.dumps({"text": text[i:i + 2000]}) + "\n" for i in (0, 2000, 4000)), encoding="utf-8")
 
-# 1. evaluate(config) -> dict: the report that `fastppl eval --json` writes, with the same field names.
+# 1. evaluate(config) -> EvalResult: typed fields (result.metrics.nll, result.timings.stage_seconds, ...);
+# result["nll"] reads a field of the report that `fastppl eval --json` writes, result.to_dict() is that report.
 config = fastppl.EvalConfig(model="random:gpt2-tiny", data=[str(corpus)], tokenizer=tokenizer,
                             device="cpu", ctx=128, per_doc="collect", quiet=True)
 result = fastppl.evaluate(config)
-print(f"{result['documents']} documents, {result['tokens_scored']:,} tokens scored")
-print(f"nll {result['nll']:.6f}  ppl {result['ppl']:.2f}  bits/byte {result['bits_per_byte']:.6f}")
+print(f"{result.corpus.documents} documents, {result.metrics.tokens_scored:,} tokens scored")
+print(f"nll {result.metrics.nll:.6f}  ppl {result['ppl']:.2f}  bits/byte {result['bits_per_byte']:.6f}")
 print(f"batching: {result['batching_reason']}; compile {result['compile']}")
-# per_doc (or per_token) set: the per-document sums (per-token array) come back under "_per_doc" ("_per_token");
-# evaluate() writes no file, the CLI does
-for doc in result["_per_doc"]:
+# per_doc (or per_token) set: the per-document sums (per-token array) come back as result.per_doc
+# (result.per_token); evaluate() writes no file, the CLI does
+for doc in result.per_doc:
     print(f"  {pathlib.Path(doc['id']).name}: {doc['tokens']} tokens, nll {doc['nll_sum'] / doc['tokens']:.4f}")
 
 # 2. Bad input raises FastpplError, with the one-line message the CLI prints.

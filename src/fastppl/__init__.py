@@ -5,7 +5,9 @@ from .config import EvalConfig  # noqa: E402
 from .errors import FastpplError  # noqa: E402
 
 
-def evaluate(config: EvalConfig) -> dict:
+def evaluate(config: EvalConfig):
+    """The run's EvalResult (fastppl.report.result): typed fields, to_dict() the --json report, and read access to
+    that report's fields by name (result["nll"])."""
     from .pipeline import evaluate as _evaluate
     return _evaluate(config)
 

@@ -12,7 +12,7 @@ What each rank does:
   3. all-reduces, once at the end, the float64 sums (nll_sum, the per-position sums and counts) and the
      per-token buffer (each rank fills only the slots it scored, NaN elsewhere; a MIN reduction with NaN
      read as +inf merges them exactly, so per-token values are bit-identical to one process).
-Only rank 0 shows the progress bar and writes the report; every rank returns the same result dict.
+Only rank 0 shows the progress bar and writes the report; every rank returns the same result.
 
 Failure protocol (nothing hangs, no report is written):
   - A rank that raises anywhere in `evaluate` publishes "rank R: <message>" to the rendezvous store (the

@@ -7,7 +7,6 @@ import math
 import threading
 import time
 from pathlib import Path
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -38,39 +37,15 @@ from .models import load_model
 from .models.loading import position_limit_note
 from .reference import add_divergence, check_reference_fits, check_reference_options, load_reference
 from .report.progress import Progress
-from .report.protocol_card import protocol_card
-from .report.result import Scored, assemble_result
+from .report.result import EvalResult, assemble_result
+from .stages import Batches, Corpus, Prepared, Run, Scored, Windows
 from .report.stats import needs_token_sums
 from .resume import (NOT_IN_FINGERPRINT, Checkpointer, document_ids_sha256, model_files, run_fingerprint,
                      weights_digest)
 
 
-@dataclass
-class Run:
-    """Where and how a run computes, and the seconds each stage took (the report's stage_seconds)."""
-    config: EvalConfig
-    device: torch.device
-    dtype: torch.dtype
-    dist: Optional[Distributed]    # None on one process
-    started: float
-    stage_seconds: dict[str, float] = field(default_factory=dict)
-    stage_started: float = 0.0
-
-    def stage_done(self, stage: str) -> None:
-        now = time.perf_counter()
-        self.stage_seconds[stage] = now - (self.stage_started or self.started)
-        self.stage_started = now
-
-
-@dataclass
-class Batches:
-    size: int
-    reason: str
-    plans: list[BatchPlan]
-
-
 @stop_all_on_failure   # under torchrun: a failing rank makes every rank stop
-def evaluate(config: EvalConfig) -> dict:
+def evaluate(config: EvalConfig) -> EvalResult:
     started = time.perf_counter()
     dist = init_distributed(config.device)
     device = dist.device if dist else resolve_device(config.device)
@@ -95,11 +70,12 @@ def evaluate(config: EvalConfig) -> dict:
     run.stage_seconds["tokenize"] = encoding.seconds   # on its own thread, beside load_model and this wait
     run.stage_done("wait_for_tokenize")
     plan = plan_corpus(tokens, tokenizer, config.window, config.stride, config.bos, ctx, protocol)
-    corpus_digest = corpus_sha256(documents)   # the report's, and the resume fingerprint's
+    corpus = Corpus(documents, tokens, tokenizer, corpus_sha256(documents), protocol, datasets_read)
+    windows = Windows(plan, ctx, use_kv_cache, kv_cache_reason)
     run.stage_started = time.perf_counter()    # planning is no stage of its own: "prepare" starts here
     if dist:   # ranks that read other inputs would sum to a wrong result without a word
-        dist.check_same_inputs(inputs_by_part(run, documents, corpus_digest, tokenizer, model, plan, ctx, reference))
-    model, acceleration, score_fn = accelerate(run, model, plan, reference)
+        dist.check_same_inputs(inputs_by_part(run, documents, corpus.digest, tokenizer, model, plan, ctx, reference))
+    prepared = accelerate(run, model, plan, reference)
     run.stage_done("prepare")
     for thread in warm_ups:
         thread.join()   # before the first kernel (accel/warm_up.start_cuda_warm_up says why)
@@ -109,19 +85,15 @@ def evaluate(config: EvalConfig) -> dict:
         run.stage_seconds["cuda_start"] = cuda_start[0]
     # one row of ctx positions out of GPU memory: a one-line error naming the largest --ctx that fits (one model's)
     ctx_fit = dict(model=model if reference is None else None, ctx=ctx, device=run.device, dtype=run.dtype,
-                   loss=acceleration.loss, chunk_rows=config.loss_chunk_rows)
-    batches = explaining_ctx(lambda: choose_batches(run, model, plan, acceleration, score_fn, ctx), **ctx_fit)
+                   loss=prepared.acceleration.loss, chunk_rows=config.loss_chunk_rows)
+    batches = explaining_ctx(lambda: choose_batches(run, prepared.model, plan, prepared.acceleration,
+                                                    prepared.score_fn, ctx), **ctx_fit)
     run.stage_done("choose_batch_size")
-    fingerprint = resume_fingerprint(run, documents, corpus_digest, tokenizer, acceleration, batches, plan, ctx)
-    scored = explaining_ctx(lambda: score(run, model, plan, acceleration, score_fn, batches, ctx, use_kv_cache,
-                                          fingerprint), **ctx_fit)
+    fingerprint = resume_fingerprint(run, corpus, prepared.acceleration, batches, plan, ctx)
+    scored = explaining_ctx(lambda: score(run, prepared.model, plan, prepared.acceleration, prepared.score_fn,
+                                          batches, ctx, use_kv_cache, fingerprint), **ctx_fit)
     run.stage_seconds["scoring"] = scored.seconds
-    result = assemble_result(config, run.device, run.dtype, documents, corpus_digest, tokens, tokenizer, model, plan,
-                             acceleration, scored, ctx=ctx, kv_cache=kv_cache_reason, use_kv_cache=use_kv_cache,
-                             stage_seconds=run.stage_seconds, started=started,
-                             world_size=dist.world_size if dist else None)
-    result["protocol"] = protocol_card(config, protocol, plan, tokenizer, ctx, datasets_read, result,
-                                       float(scored.sums.position_nll_sq_sum.sum().item()))
+    result = assemble_result(run, corpus, windows, prepared, scored)
     return result if reference is None else add_divergence(result, config, scored.sums)
 
 
@@ -230,8 +202,7 @@ def tokenize(documents: list[Document], tokenizer: Tokenizer, model: nn.Module,
     return documents, tokens
 
 
-def accelerate(run: Run, model: nn.Module, plan: WindowPlan,
-               reference: Optional[nn.Module] = None) -> tuple[nn.Module, Acceleration, ScoreFn]:
+def accelerate(run: Run, model: nn.Module, plan: WindowPlan, reference: Optional[nn.Module] = None) -> Prepared:
     """The model on its device with the run's performance transforms (fastppl.accel.apply), and its scorer (of
     both models' divergence with a reference model)."""
     model = model.to(run.device)
@@ -244,8 +215,8 @@ def accelerate(run: Run, model: nn.Module, plan: WindowPlan,
     if reference is not None:
         acceleration, score_fn = divergence_score_fn_for(model, reference, acceleration, run.config.batching,
                                                          run.config.loss_chunk_rows)
-        return model, acceleration, score_fn
-    return model, acceleration, score_fn_for(model, acceleration, run.config.loss_chunk_rows)
+        return Prepared(model, acceleration, score_fn)
+    return Prepared(model, acceleration, score_fn_for(model, acceleration, run.config.loss_chunk_rows))
 
 
 def choose_batches(run: Run, model: nn.Module, plan: WindowPlan, acceleration: Acceleration, score_fn: ScoreFn,
@@ -278,10 +249,10 @@ def choose_batches(run: Run, model: nn.Module, plan: WindowPlan, acceleration: A
     return Batches(size, reason, plans)
 
 
-def resume_fingerprint(run: Run, documents: list[Document], corpus_digest: str, tokenizer: Tokenizer,
-                       acceleration: Acceleration, batches: Batches, plan: WindowPlan, ctx: int) -> Optional[dict]:
+def resume_fingerprint(run: Run, corpus: Corpus, acceleration: Acceleration, batches: Batches, plan: WindowPlan,
+                       ctx: int) -> Optional[dict]:
     """What a checkpoint must match to be resumed (None without --resume)."""
-    config = run.config
+    config, documents, tokenizer = run.config, corpus.documents, corpus.tokenizer
     if not config.resume:
         return None
     resolved = dict(ctx=ctx, tokenizer=config.tokenizer or default_tokenizer_name(config.model),
@@ -289,7 +260,7 @@ def resume_fingerprint(run: Run, documents: list[Document], corpus_digest: str, 
                     batch_size=batches.size, batching=acceleration.batching, device=str(run.device),
                     dtype=str(run.dtype))
     return run_fingerprint(
-        config.to_dict(), resolved, corpus_sha256=corpus_digest, document_ids_sha256=document_ids_sha256(documents),
+        config.to_dict(), resolved, corpus_sha256=corpus.digest, document_ids_sha256=document_ids_sha256(documents),
         tokenizer_fingerprint=tokenizer.fingerprint, model_files=model_files(config.model), windows=len(plan.refs),
         fastppl=__version__,
     )

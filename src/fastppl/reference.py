@@ -5,7 +5,7 @@ fastppl.report.divergence the statistics."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -20,6 +20,9 @@ from .errors import FastpplError
 from .models import load_model
 from .models.loading import position_limit_note
 from .report.divergence import divergence_statistics, kld_by_position, kld_histogram
+
+if TYPE_CHECKING:
+    from .report.result import EvalResult
 
 
 def check_reference_options(config: EvalConfig, distributed: bool) -> None:
@@ -101,20 +104,20 @@ def check_reference_fits(config: EvalConfig, reference: Optional[nn.Module], ctx
                            f"positions{position_limit_note(reference)}; lower --ctx")
 
 
-def add_divergence(result: dict, config: EvalConfig, sums: DeviceSums) -> dict:
+def add_divergence(result: EvalResult, config: EvalConfig, sums: DeviceSums) -> EvalResult:
     """The report's "divergence" section (and --per-token's columns) from the merged per-token values."""
     columns = sums.divergence[:-1].cpu().numpy()                       # (n_tokens, 5), NaN rows unscored
     scored = columns[~np.isnan(columns[:, 0])]
     counts = sums.position_count.cpu().numpy()
-    result["divergence"] = {
+    result.divergence = {
         "reference_model": config.reference_model,
         "reference_seed": config.seed if config.reference_seed is None else config.reference_seed,
         **divergence_statistics(scored),
         # the model's figures as the run's own (its float64 device sums), not re-derived from fp32 per-token values
-        "nll": result["nll"], "ppl": result["ppl"],
+        "nll": result.metrics.nll, "ppl": result.metrics.ppl,
         "kld_by_position": kld_by_position(sums.position_kld_sum.cpu().numpy(), counts),
         "kld_histogram": kld_histogram(scored[:, KLD_COLUMN].astype(np.float64)),
     }
     if config.per_token:
-        result["_per_token"] = columns
+        result.per_token = columns
     return result

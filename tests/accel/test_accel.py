@@ -95,6 +95,7 @@ def test_other_errors_are_not_swallowed():
         _score(broken, refs, batch_of, ctx, batch_size=8)
 
 
+@pytest.mark.slow   # torch.compile on the CPU
 def test_compile_on_and_off_give_the_same_result(tmp_path, tokenizer_dir):
     text = tmp_path / "t.txt"
     text.write_text("Now is the winter of our discontent made glorious summer by this sun of York. " * 8)
@@ -106,6 +107,7 @@ def test_compile_on_and_off_give_the_same_result(tmp_path, tokenizer_dir):
     assert on["nll_sum"] == pytest.approx(off["nll_sum"], rel=1e-5)
 
 
+@pytest.mark.slow   # every peer of the bench on the CPU
 def test_bench_cpu_path(tmp_path, capsys, sharpened_random_models):
     """Every peer's NLL against a direct fp32 computation with transformers on the bench's own rows: fastppl
     over all T targets of each row, the labels= peers over the T - 1 they score (fp32 on the CPU, autocast bf16)."""
@@ -191,6 +193,7 @@ def test_bench_rounds_with_different_peers_are_refused():
         merge_rounds([_bench_report({"hf-bf16": 1, "fastppl": 2}, 1e12, 1), _bench_report({"fastppl": 2}, 1e12, 1)])
 
 
+@pytest.mark.slow   # several bench rounds
 def test_bench_rounds_from_the_command_line(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["bench", "--model", "random:gpt2-tiny", "--tokens", "256", "--seq", "32", "--batch-size", "4",
@@ -222,6 +225,7 @@ def test_bench_says_when_tokens_are_rounded_to_whole_batches(tmp_path, capsys):
     assert json.loads(out.read_text())["rows"][0]["tokens"] == 128
 
 
+@pytest.mark.slow   # torch.compile on the CPU
 def test_bench_compile_on_compiles_fastppls_row_and_agrees_with_eager(tmp_path, monkeypatch):
     import fastppl.accel.apply as compile_module   # where eval and bench compile
     compiled, real = [], compile_module.compile_score_fn
@@ -238,6 +242,7 @@ def test_bench_compile_on_compiles_fastppls_row_and_agrees_with_eager(tmp_path, 
     assert reports["on"]["nll"] == pytest.approx(reports["off"]["nll"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_out_of_memory_after_the_forward_adds_nothing(monkeypatch):
     """An allocation that fails while the sums are updated (a copy of the per-document or per-token
     index) must leave every sum as it was, so that the retried batch is counted once."""
@@ -281,6 +286,7 @@ def test_balanced_batch_size_runs_fewest_padding_rows_in_as_many_batches():
     assert balanced_batch_size(256, 4096) == 256
 
 
+@pytest.mark.slow   # the fused loss over a 50,257-entry vocabulary in Triton's interpreter
 def test_the_fused_scorer_runs_the_loss_on_the_scored_positions_only(monkeypatch):
     """Sliding windows score about half of what they read and padding rows nothing: with the fused loss
     (Triton's interpreter on CPU) only the scored positions reach the kernel, with the same NLL as the

@@ -65,6 +65,7 @@ def fused_tokens(model, prompts, new_tokens, eos_id=-1, keep_logits=False, cache
         return decoder.new_tokens(new_tokens - 1).tolist(), decoder
 
 
+@pytest.mark.slow   # Triton's interpreter on the CPU
 @pytest.mark.parametrize("lengths", [[5], [3, 9, 1, 6][:fused_decode.MAX_BATCH]], ids=["batch1", "batch-max-padded"])
 def test_fused_greedy_tokens_equal_the_eager_decode_step(lengths):
     model = sharp_model(TINY)
@@ -75,6 +76,7 @@ def test_fused_greedy_tokens_equal_the_eager_decode_step(lengths):
     assert tokens == reference.tokens
 
 
+@pytest.mark.slow   # Triton's interpreter on the CPU
 def test_attention_combines_many_chunks_of_an_odd_length_cache_and_a_reused_decoder_restarts(monkeypatch):
     """4-slot chunks and a 42-slot cache: the attention spans up to 9 chunks, the last one partial, so the
     chunk combine (and its rescaling by each chunk's max) decides every token. The same decoder then
@@ -97,6 +99,7 @@ def test_attention_combines_many_chunks_of_an_odd_length_cache_and_a_reused_deco
         fused_tokens(model, then, 20, cache_len=42, decoder=decoder)
 
 
+@pytest.mark.slow   # Triton's interpreter on the CPU
 @pytest.mark.parametrize("tied", [(5, 3), (900, 3)], ids=["same-vocabulary-block", "across-blocks"])
 def test_tied_top_logits_go_to_the_lowest_id_like_the_eager_step(tied):
     """Two vocabulary rows equal and the final hidden state fixed (ln_f's weight 0, its bias u): at every step
@@ -116,6 +119,7 @@ def test_tied_top_logits_go_to_the_lowest_id_like_the_eager_step(tied):
     assert tokens == reference
 
 
+@pytest.mark.slow   # Triton's interpreter on the CPU
 def test_fused_step_stops_a_row_at_end_of_text_like_the_eager_step():
     model = sharp_model(TINY)
     prompts = prompts_of([4, 6], TINY.vocab_size, seed=3)
@@ -141,6 +145,7 @@ def _reference_logits(model, prompts, new_tokens):
     return torch.stack(rows)
 
 
+@pytest.mark.slow   # Triton's interpreter on the CPU
 @pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if CUDA else []))
 def test_fused_logits_match_the_models_forward(dtype):
     config = GPT2_WIDTHS if CUDA else TINY
@@ -303,6 +308,7 @@ def _forced_fused_step(model, device, compile, *args):
     return ("fused (forced)", True) if compile else ("eager", False)
 
 
+@pytest.mark.slow   # Triton's interpreter on the CPU
 def test_a_failed_dependent_launch_falls_back_to_plain_launches(monkeypatch):
     """A driver or toolchain without dependent launches fails the first launch: here a step that runs all its
     kernels (advancing the token, the position and the history) and then raises. The step is redone plainly
@@ -339,6 +345,7 @@ def test_a_failed_dependent_launch_falls_back_to_plain_launches(monkeypatch):
     assert G.generate(model, prompts, 8, compile=True).tokens == expected and len(attempts) == 1
 
 
+@pytest.mark.slow   # Triton's interpreter on the CPU
 def test_generate_loop_with_the_fused_step_gives_the_eager_tokens_and_stops(monkeypatch):
     """generate()'s own loop around the fused step (warm-up timing, stop checks, token history), forced on
     where it would not be chosen (the CPU under the interpreter), against the eager step."""

@@ -29,6 +29,7 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+@pytest.mark.slow   # Triton's interpreter on the CPU
 @pytest.mark.parametrize("packed", [False, True])
 def test_fused_forward_equals_the_plain_forward(packed):
     model = _model_with_biases()
@@ -63,6 +64,7 @@ def test_fused_forward_reads_the_biases_as_they_are_now():
     assert _rel(after, plain) <= 1e-5
 
 
+@pytest.mark.slow   # Triton's interpreter on the CPU
 def test_fused_forward_in_half_precision_with_biases_equals_the_plain_forward():
     """16-bit weights with non-zero projection biases: the bias sums are fp32 and added back before each
     LayerNorm, so the stream kept less them must give the plain model's hidden states."""

@@ -67,6 +67,7 @@ def _env() -> dict:
     return env
 
 
+@pytest.mark.slow   # two ranks under torchrun
 def test_bench_nproc_2_on_cpu_equals_one_process(tmp_path, tokenizer_dir):
     out = tmp_path / "bench.json"
     started = time.perf_counter()
@@ -94,6 +95,7 @@ def test_bench_nproc_2_on_cpu_equals_one_process(tmp_path, tokenizer_dir):
     assert time.perf_counter() - started < 90
 
 
+@pytest.mark.slow   # a process of its own
 def test_bench_nproc_errors_are_one_line(tmp_path, tokenizer_dir):
     done = subprocess.run(
         [sys.executable, "-m", "fastppl", "bench", "--nproc", "2,x", "--device", "cpu",

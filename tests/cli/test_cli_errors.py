@@ -84,12 +84,14 @@ def _subprocess(args):
                           timeout=120)
 
 
+@pytest.mark.slow   # a process of its own
 def test_subprocess_missing_file(tmp_path, outputs, tokenizer_dir):
     proc = _subprocess(_args(TINY, tmp_path / "nope.txt", outputs, tokenizer_dir))
     _assert_user_error(proc.returncode, proc.stderr, outputs, "nope.txt: no such file")
     assert proc.stdout == ""
 
 
+@pytest.mark.slow   # a process of its own
 def test_subprocess_transformers_warnings_stay_off_stderr(tmp_path, checkpoint, text, outputs):
     """A config whose special ids lie outside its vocabulary made transformers log two warnings while the
     tokenizer was looked for, above fastppl's one error line (capsys does not see transformers' logger)."""
@@ -101,6 +103,7 @@ def test_subprocess_transformers_warnings_stay_off_stderr(tmp_path, checkpoint, 
     _assert_user_error(proc.returncode, proc.stderr, outputs, "holds no tokenizer vocabulary")
 
 
+@pytest.mark.slow   # a process of its own
 def test_subprocess_truncated_checkpoint(tmp_path, checkpoint, text, outputs, tokenizer_dir):
     broken = _copy_checkpoint(checkpoint, tmp_path / "truncated")
     weights = broken / "model.safetensors"
@@ -109,6 +112,7 @@ def test_subprocess_truncated_checkpoint(tmp_path, checkpoint, text, outputs, to
     _assert_user_error(proc.returncode, proc.stderr, outputs, "model.safetensors", "corrupt or truncated")
 
 
+@pytest.mark.slow   # a process of its own
 def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path, text, tokenizer_dir):
     """`fastppl eval ... | head -1`: stdout's reader is gone before the summary is printed. Before, a
     BrokenPipeError traceback and exit 1; now the report is written, nothing is said, exit 141 (128 + SIGPIPE)."""
@@ -841,6 +845,7 @@ def test_nproc_checks_data_and_outputs_before_starting_torchrun(tmp_path, text, 
     assert rc == 2 and "does not exist" in err and err.count("\n") == 1, err
 
 
+@pytest.mark.slow   # a process of its own
 def test_a_hub_id_with_the_hub_unreachable_fails_at_once_in_one_line(text, tokenizer_dir, tmp_path):
     """Online but with no route to the hub (here a closed local port): one request, not a retry loop that printed
     five warnings over 23 s before the error."""

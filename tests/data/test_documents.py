@@ -60,9 +60,10 @@ def run(tokenizer_dir, data, **overrides):
 
 
 def by_id(result):
-    return {d["id"]: d for d in result["_per_doc"]}
+    return {d["id"]: d for d in result.per_doc}
 
 
+@pytest.mark.slow   # every batching against one run per document
 @pytest.mark.parametrize("window", [{"window": "chunked"}, {"window": "sliding", "stride": 16}])
 def test_batching_modes_match_one_document_at_a_time(tokenizer_dir, corpus_dir, window):
     results = {mode: run(tokenizer_dir, [corpus_dir], batching=mode, **window)
@@ -73,7 +74,7 @@ def test_batching_modes_match_one_document_at_a_time(tokenizer_dir, corpus_dir, 
         assert result["tokens_scored"] == padded["tokens_scored"] and result["bytes"] == padded["bytes"]
         assert result["nll_sum"] == pytest.approx(padded["nll_sum"], rel=1e-6)
         # per-document sums add up to the corpus sum (two float64 summation orders)
-        assert sum(d["nll_sum"] for d in result["_per_doc"]) == pytest.approx(result["nll_sum"], rel=1e-9)
+        assert sum(d["nll_sum"] for d in result.per_doc) == pytest.approx(result["nll_sum"], rel=1e-9)
     assert results["packed"]["padding_waste"] <= results["bucketed"]["padding_waste"]
     assert results["packed"]["padding_waste"] < padded["padding_waste"]
     assert results["packed"]["batches"] < padded["batches"]
@@ -337,7 +338,7 @@ def test_per_doc_ids_come_from_the_jsonl_id_field(tmp_path, tokenizer_dir):
     jsonl.write_text("".join(json.dumps({"id": f"page-{i}", "text": t}) + "\n"
                              for i, t in enumerate(["First page here.", "Second page, longer than the first."])))
     result = run(tokenizer_dir, [jsonl])
-    assert [d["id"] for d in result["_per_doc"]] == ["page-0", "page-1"]
+    assert [d["id"] for d in result.per_doc] == ["page-0", "page-1"]
 
 
 def test_hf_dataset_ids_and_groups_from_its_columns(monkeypatch):

@@ -87,6 +87,7 @@ def test_pretrained_tokenizer_fast_loads_without_transformers(saved, monkeypatch
     _same_as_transformers(saved, monkeypatch)
 
 
+@pytest.mark.slow   # a process of its own
 def test_the_fast_path_never_imports_transformers(tmp_path, tokenizer_dir):
     """transformers' import alone takes seconds: a fresh process loads the tokenizer without it."""
     PreTrainedTokenizerFast(tokenizer_object=_gpt2(tokenizer_dir), bos_token="<|endoftext|>",

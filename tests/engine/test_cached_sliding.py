@@ -67,7 +67,11 @@ def _max_relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a[scored] - b[scored]).abs() / b[scored].abs()).max().item()
 
 
-@pytest.mark.parametrize("ctx, stride", [(24, 6), (17, 5), (16, 15), (12, 12), (9, 1)])
+SLOW = pytest.mark.slow   # many windows, each run cached and uncached
+
+
+@pytest.mark.parametrize("ctx, stride", [pytest.param(24, 6, marks=SLOW), pytest.param(17, 5, marks=SLOW), (16, 15),
+                                         (12, 12), pytest.param(9, 1, marks=SLOW)])
 def test_one_layer_cached_equals_uncached_sliding(ctx, stride):
     model = _llama(n_layer=1)
     streams, offsets, n_tokens = _corpus()
@@ -79,6 +83,7 @@ def test_one_layer_cached_equals_uncached_sliding(ctx, stride):
     torch.testing.assert_close(got.nll_sum, expected.nll_sum, rtol=1e-7, atol=0)
 
 
+@pytest.mark.slow
 def test_deep_cached_windows_equal_the_segment_recurrence():
     """Each new token sees, at every layer, the cached states of its window's earlier tokens: one
     transformers forward per document with the attention mask "from my window's start to me"."""
@@ -110,6 +115,7 @@ def test_deep_cached_windows_equal_the_segment_recurrence():
     assert _max_relative(got, uncached) > 1e-3
 
 
+@pytest.mark.slow
 def test_cached_windows_do_not_depend_on_batch_size():
     model = _llama(n_layer=2)
     streams, offsets, n_tokens = _corpus(lengths=(80, 33, 57, 12, 101, 5))
@@ -134,6 +140,7 @@ def test_kv_cache_choice():
         EvalConfig(model="random:llama-tiny", data=["x"], kv_cache="on")
 
 
+@pytest.mark.slow
 def test_cli_kv_cache_on_one_layer_model_reports_it(tmp_path, tokenizer_dir, capsys):
     import transformers
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(

@@ -110,7 +110,7 @@ def test_cuda_packed_equals_padded_in_fp32(tokenizer_dir, shakespeare, tmp_path,
         assert results["bucketed"]["compile"].startswith("on") and results["padded"]["compile"].startswith("on")
     for mode in ("packed", "bucketed"):
         assert results[mode]["nll_sum"] == pytest.approx(results["padded"]["nll_sum"], rel=1e-6)
-        for a, b in zip(results[mode]["_per_doc"], results["padded"]["_per_doc"]):
+        for a, b in zip(results[mode].per_doc, results["padded"].per_doc):
             assert a["nll_sum"] == pytest.approx(b["nll_sum"], rel=1e-6)
 
 

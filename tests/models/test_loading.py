@@ -158,6 +158,7 @@ print(status_kib("VmHWM") - before)
 """
 
 
+@pytest.mark.slow   # a process of its own
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="measures the peak through Linux's /proc")
 @pytest.mark.parametrize("checkpoint", ["gpt2", "llama"])
 def test_a_bf16_load_holds_the_model_once_in_host_memory(tmp_path, checkpoint):
@@ -195,6 +196,7 @@ def test_a_checkpoint_loads_straight_to_the_gpu_with_the_cpus_weights(tmp_path, 
         _assert_same_weights(on_gpu.cpu(), load_model(str(directory), "native", dtype), dtype)
 
 
+@pytest.mark.slow   # a process of its own
 def test_building_on_the_meta_device_imports_no_compiler_machinery(tmp_path):
     """Initialising meta tensors (normal_) and Module.to_empty imported torch's decompositions and sympy, seconds
     of a first load; the native load skips both."""

@@ -154,7 +154,7 @@ def _evaluate(model, tokenizer_dir, text_path, **kwargs):
     config = EvalConfig(model=str(model), data=[str(text_path)], tokenizer=str(tokenizer_dir), device="cpu",
                         dtype="fp32", quiet=True, per_token="unused.npy", **kwargs)
     result = evaluate(config)
-    return result, result.pop("_per_token")
+    return result, result.per_token
 
 
 def _brute_force(hf, stream: list[int], pairs, token_of_target) -> np.ndarray:

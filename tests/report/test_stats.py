@@ -1,5 +1,5 @@
 """Error bars: standard errors against a direct computation on the per-token NLL, bootstrap intervals against a
-brute-force loop and reproducible with their seed, per-group results that sum to the ungrouped run."""
+brute-force loop and reproducible with their seed (per-group results: test_groups.py; the summary: test_summary.py)."""
 import functools
 import json
 import math
@@ -52,7 +52,7 @@ def test_standard_errors_equal_a_direct_computation_on_the_per_token_nll(tmp_pat
                                                                          sharpened_random_models):
     for window in ("chunked", "sliding"):
         result = run(tokenizer_dir, [write_jsonl(tmp_path / "docs.jsonl", records)], window=window)
-        per_token = result["_per_token"].astype(np.float64)
+        per_token = result.per_token.astype(np.float64)
         scored = per_token[~np.isnan(per_token)]
         assert len(scored) == result["tokens_scored"]
         direct = scored.std(ddof=1) / math.sqrt(len(scored))
@@ -84,7 +84,7 @@ def test_bootstrap_over_documents_equals_a_brute_force_loop_and_is_reproducible(
     result = run(tokenizer_dir, [data], bootstrap=300, bootstrap_seed=7)
     boot = result["bootstrap"]
     assert (boot["unit"], boot["units"], boot["replicates"], boot["seed"]) == ("document", len(records), 300, 7)
-    per_doc = result["_per_doc"]
+    per_doc = result.per_doc
     expected = brute_force_bootstrap([d["nll_sum"] for d in per_doc], [d["tokens"] for d in per_doc], 300, 7)
     assert boot["nll"] == pytest.approx(expected, rel=1e-12)
     assert boot["ppl"] == pytest.approx([math.exp(x) for x in expected], rel=1e-12)
@@ -107,7 +107,7 @@ def test_bootstrap_of_a_single_document_resamples_its_windows(tmp_path, tokenize
         assert boot["unit"] == "window" and boot["units"] == result["windows"] == len(units["nll_sum"])
         assert sum(units["tokens"]) == result["tokens_scored"] and sum(units["bytes"]) == result["bytes"]
         assert math.fsum(units["nll_sum"]) == pytest.approx(result["nll_sum"], rel=1e-12)
-        assert "_per_token" not in result   # kept for the windows' sums, not written
+        assert result.per_token is None   # kept for the windows' sums, not written
         expected = brute_force_bootstrap(units["nll_sum"], units["tokens"], 200, 0)
         assert boot["nll"] == pytest.approx(expected, rel=1e-12)
 
@@ -133,48 +133,6 @@ def test_paired_difference_resamples_the_same_units_for_both_runs():
     assert paired_difference(windows, Units("window", np.arange(40), nll_a, tokens + 1, tokens * 4),
                              nll_per_token, 100, 0) is None
     assert paired_difference(a, windows, nll_per_token, 100, 0) is None
-
-
-def test_group_sums_equal_the_ungrouped_run(tmp_path, tokenizer_dir, records, sharpened_random_models):
-    data = write_jsonl(tmp_path / "docs.jsonl", records)
-    plain = run(tokenizer_dir, [data])
-    grouped = run(tokenizer_dir, [data], group_by="source")
-    assert plain["groups"] is None and grouped["corpus_sha256"] == plain["corpus_sha256"]
-    groups = grouped["groups"]
-    assert groups["field"] == "source" and [g["group"] for g in groups["groups"]] == sorted(SOURCES)
-    assert sum(g["tokens"] for g in groups["groups"]) == plain["tokens_scored"]
-    assert sum(g["bytes"] for g in groups["groups"]) == plain["bytes"]
-    assert sum(g["documents"] for g in groups["groups"]) == len(records)
-    assert math.fsum(g["nll_sum"] for g in groups["groups"]) == pytest.approx(plain["nll_sum"], rel=1e-12)
-    micro, macro = groups["micro"], groups["macro"]
-    assert micro["nll"] == pytest.approx(plain["nll"], rel=1e-12)
-    assert micro["bits_per_byte"] == pytest.approx(plain["bits_per_byte"], rel=1e-12)
-    for key in ("nll", "ppl", "bits_per_byte"):
-        assert macro[key] == pytest.approx(np.mean([g[key] for g in groups["groups"]]), rel=1e-12)
-    # each group's figures are those of a run over its documents alone (windows never cross documents)
-    per_doc = {d["id"]: d for d in plain["_per_doc"]}
-    for group in groups["groups"]:
-        members = [r for r in records if r["source"] == group["group"]]
-        assert group["tokens"] == sum(per_doc[r["id"]]["tokens"] for r in members)
-        alone = run(tokenizer_dir, [write_jsonl(tmp_path / f"{group['group']}.jsonl", members)])
-        assert group["nll_sum"] == pytest.approx(alone["nll_sum"], rel=1e-5)
-        assert (group["tokens"], group["bytes"]) == (alone["tokens_scored"], alone["bytes"])
-
-
-def test_summary_shows_error_bars_bootstrap_and_groups(tmp_path, tokenizer_dir, records, capsys):
-    data = write_jsonl(tmp_path / "docs.jsonl", records)
-    report = tmp_path / "run.json"
-    assert main(["eval", "--model", "random:gpt2-tiny", "--tokenizer", str(tokenizer_dir), "--data", data,
-                 "--ctx", str(CTX), "--device", "cpu", "--quiet", "--group-by", "source", "--bootstrap", "100",
-                 "--json", str(report)]) == 0
-    out = capsys.readouterr().out
-    result = json.loads(report.read_text())
-    assert f"nll         {result['nll']:.6f} ± {result['nll_stderr']:.6f} nats/token" in out
-    assert f"perplexity  {result['ppl']:.4f} ± {result['ppl_stderr']:.4f}" in out
-    assert "bootstrap   95%: nll [" in out and "(100 resamples of 10 documents, seed 0)" in out
-    assert "by source" in out and "(micro average)" in out and "(macro average)" in out
-    for source in SOURCES:
-        assert f"\n{source} " in out
 
 
 @pytest.mark.parametrize("argv, message", [

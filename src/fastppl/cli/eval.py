@@ -199,25 +199,24 @@ def run_eval(args: argparse.Namespace) -> int:
     start_up = seconds_since_process_start()
     result = evaluate(config)
     if start_up is not None:   # the interpreter's start and the imports, before evaluate's stages
-        result["stage_seconds"]["start_up"] = start_up
+        result.timings.stage_seconds["start_up"] = start_up
     if not is_main_process():
         return 0   # only rank 0 prints and writes
-    per_token = result.pop("_per_token", None)
-    per_doc = result.pop("_per_doc", None)
+    report = result.to_dict()
     with all_or_nothing():
         if args.per_token:
-            write_npy(args.per_token, per_token)
+            write_npy(args.per_token, result.per_token)
         if args.per_doc:
-            write_jsonl(args.per_doc, per_doc)
+            write_jsonl(args.per_doc, result.per_doc)
         if args.json:
-            write_json(args.json, result)
-        if args.plot and "divergence" in result:
+            write_json(args.json, report)
+        if args.plot and result.divergence is not None:
             from ..report.divergence import write_divergence_plot
-            write_divergence_plot(args.plot, result)
+            write_divergence_plot(args.plot, report)
         elif args.plot:
             from ..report.plot import write_loss_by_position
-            write_loss_by_position(args.plot, result)
-    print(summary(result))
+            write_loss_by_position(args.plot, report)
+    print(summary(report))
     return 0
 
 

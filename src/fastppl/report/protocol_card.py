@@ -80,27 +80,28 @@ def _normaliser(protocol: Optional[Protocol]) -> str:
     return normaliser
 
 
-def _reported(protocol: Protocol, result: dict, nll_sq_sum: float) -> dict:
-    """The figures as the protocol's tool prints them."""
+def _reported(protocol: Protocol, metrics, nll_sq_sum: float) -> dict:
+    """The figures as the protocol's tool prints them, from the run's metrics (report.result.Metrics)."""
     if protocol.name == "llama.cpp":
-        ppl, plus_minus = llama_cpp_estimate(result["nll_sum"], nll_sq_sum, result["tokens_scored"])
+        ppl, plus_minus = llama_cpp_estimate(metrics.nll_sum, nll_sq_sum, metrics.tokens_scored)
         line = f"Final estimate: PPL = {ppl:.4f} +/- {plus_minus:.5f}" if plus_minus is not None else \
             f"PPL = {ppl:.4f} (no +/-: the NLL does not vary)"
         return {"ppl": ppl, "ppl_plus_minus": plus_minus, "line": line}
     if protocol.detokenize:
-        figures = {k: result[k] for k in ("word_perplexity", "byte_perplexity", "bits_per_byte")}
+        figures = {k: getattr(metrics, k) for k in ("word_perplexity", "byte_perplexity", "bits_per_byte")}
         return {**figures, "line": ", ".join(f"{k} {v:.4f}" for k, v in figures.items())}
-    return {"ppl": result["ppl"], "line": f"ppl {result['ppl']:.4f}"}
+    return {"ppl": metrics.ppl, "line": f"ppl {metrics.ppl:.4f}"}
 
 
 def protocol_card(config, protocol: Optional[Protocol], plan: WindowPlan, tokenizer: Tokenizer, ctx: int,
-                  datasets: list[dict], result: dict, nll_sq_sum: float) -> dict:
-    """The report's "protocol": every choice of the run, and with --protocol the figures as its tool reports them."""
+                  datasets: list[dict], metrics, nll_sq_sum: float) -> dict:
+    """The report's "protocol": every choice of the run, and with --protocol the figures as its tool reports them
+    (from metrics, the run's report.result.Metrics)."""
     tokens, bos = _bos(config, protocol, tokenizer)
     card = {"name": protocol.name if protocol else None, "reproduces": protocol.reference if protocol else None,
             "corpus": _corpus(protocol), "tokens": tokens,
             **_windows(config.window, protocol, plan, ctx, sliding_stride(config.stride, ctx)), "bos": bos,
             "normaliser": _normaliser(protocol), "datasets": datasets}
     if protocol is not None:
-        card["reported"] = _reported(protocol, result, nll_sq_sum)
+        card["reported"] = _reported(protocol, metrics, nll_sq_sum)
     return card

@@ -1,4 +1,5 @@
-"""The result of `fastppl eval`: the metrics from the run's float64 sums, divided once, and what ran and why."""
+"""The result of `fastppl eval`: the metrics from the run's float64 sums, divided once, and what ran and why, as an
+EvalResult whose to_dict() is the --json report."""
 from __future__ import annotations
 
 import math
@@ -6,16 +7,16 @@ import os
 import platform
 import sys
 import time
-from dataclasses import dataclass
-from typing import Optional
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
 
 import numpy as np
 import torch
-import torch.nn as nn
 
 from .. import __version__
 from ..data.corpus import Document
-from ..data.packing import BatchPlan, padding_waste
+from ..data.packing import padding_waste
 from ..data.streams import WindowPlan, scored_bytes_by_document, sliding_stride
 from ..data.tokenize import Tokenizer
 from ..engine.score import DeviceSums
@@ -23,22 +24,11 @@ from ..models.attention import document_attention_backend, varlen_failure
 from ..models.hf_backend import HFCausalLM
 from .groups import group_results
 from .metrics import lm_eval_word_count, per_unit_metrics, perplexity
+from ..stages import Corpus, Prepared, Run, Scored, Windows
 from .positions import loss_by_position_buckets
+from .protocol_card import protocol_card
 from .stats import bootstrap, bootstrap_units, standard_errors
 
-
-@dataclass
-class Scored:
-    """What the scoring stage returns: the sums of every rank, and how the batches ran."""
-    sums: DeviceSums
-    nll_sum: float
-    seconds: float
-    scored_before: int     # tokens a resumed run found scored in its checkpoint
-    start_batch: int       # the first batch this run scored (after a checkpoint's)
-    batch_size: int
-    batch_size_reason: str
-    plans: list[BatchPlan]
-    products: str
 
 
 def environment(device: torch.device) -> dict:
@@ -80,20 +70,151 @@ def peak_host_memory_bytes() -> Optional[int]:
     return peak if sys.platform == "darwin" else peak * 1024   # Linux reports KiB, macOS bytes
 
 
+def _fields(part) -> dict:
+    """A dataclass' fields as a dict, in their order, the values themselves (not copies)."""
+    return {f.name: getattr(part, f.name) for f in fields(part)}
+
+
+@dataclass
+class Metrics:
+    """The corpus' figures from the run's float64 sums, divided once, and their error bars."""
+    nll: float
+    ppl: float
+    nll_sum: float
+    tokens_scored: int
+    tokens_total: int
+    bits_per_token: float
+    bytes: int
+    bits_per_byte: float
+    words: int
+    word_perplexity: float
+    byte_perplexity: float
+    stderr: dict                  # nll_stderr, ppl_stderr, bits_per_byte_stderr (report.stats.standard_errors)
+    bootstrap: Optional[dict]     # --bootstrap's intervals and the units it resampled
+    groups: Optional[dict]        # --group-by's results (report.groups.group_results)
+
+    def to_dict(self) -> dict:
+        figures = {k: v for k, v in _fields(self).items() if k not in ("stderr", "bootstrap", "groups")}
+        return {**figures, **self.stderr, "bootstrap": self.bootstrap, "groups": self.groups}
+
+
+@dataclass
+class CorpusSummary:
+    """What was read: documents, the corpus' digest, how it was tokenized, and the windows it made."""
+    documents: int
+    corpus_sha256: str
+    tokenization: str
+    documents_skipped: int        # documents with no token to score
+    windows: int
+
+
+@dataclass
+class HowItRan:
+    """Batching, attention, the windows, compile, fusions, products and batch size: each choice and why."""
+    batching: str
+    batching_reason: str
+    batches: Optional[int]                      # None: the KV-cache path makes rows of its own
+    document_attention: Optional[str]           # the kernel that kept packed documents apart
+    document_attention_fallback: Optional[str]  # why varlen gave way to FlexAttention, if it did
+    padding_waste: Optional[float]
+    ctx: int
+    stride: Optional[int]
+    window: str
+    dtype: str
+    backend: str                                # native, or transformers and why
+    compile: str
+    mlp_epilogue: str
+    residual_norms: str
+    products: str
+    loss: str
+    batch_size: int
+    batch_size_reason: str
+    kv_cache: str
+    tokens_forwarded: int                       # positions run through the model
+    tokens_forwarded_without_cache: int
+
+
+@dataclass
+class Timings:
+    """Where the time and memory went; stage_seconds names each stage of fastppl.pipeline.evaluate."""
+    wall_seconds: float
+    scoring_seconds: float
+    stage_seconds: dict[str, float]
+    tokens_per_second: float      # this run's tokens over its scoring time (NaN where it scored none)
+    peak_memory_bytes: Optional[int]
+    peak_host_memory_bytes: Optional[int]
+
+
+@dataclass
+class ByPosition:
+    """Mean NLL, its population standard deviation and the count at each position inside the window."""
+    nll: list
+    nll_std: list
+    tokens: list[int]
+    buckets: list          # log-spaced buckets of positions (fastppl.report.positions)
+
+
+@dataclass(eq=False)
+class EvalResult(Mapping):
+    """What fastppl.evaluate returns. to_dict() is the report `fastppl eval --json` writes (its fields in its
+    order); as a read-only mapping, result["nll"] reads that report's field. per_token and per_doc hold what
+    --per-token and --per-doc write (None unless asked for)."""
+    metrics: Metrics
+    corpus: CorpusSummary
+    how_it_ran: HowItRan
+    timings: Timings
+    by_position: ByPosition
+    per_doc_path: Optional[str]
+    resumed_from_batch: Optional[int]     # --resume: the first batch this run scored
+    windows_scored_this_run: int
+    config: dict                          # EvalConfig.to_dict()
+    environment: dict
+    protocol: dict                        # report.protocol_card.protocol_card
+    world_size: Optional[int] = None      # under torchrun
+    divergence: Optional[dict] = None     # --reference-model (fastppl.reference.add_divergence)
+    # (n_tokens,) float32 NLL, NaN where unscored; with a reference model (n_tokens, 5): engine.divergence.COLUMNS
+    per_token: Optional[np.ndarray] = field(default=None, repr=False)
+    per_doc: Optional[list[dict]] = field(default=None, repr=False)   # {"id", "tokens", "bytes", "words", "nll_sum"}
+
+    def to_dict(self) -> dict:
+        """The --json report (NaN and inf as floats: report.files.write_json writes them as null)."""
+        report = {
+            **self.metrics.to_dict(), **_fields(self.corpus), **_fields(self.how_it_ran), **_fields(self.timings),
+            "nll_by_position": self.by_position.nll, "per_doc_path": self.per_doc_path,
+            "resumed_from_batch": self.resumed_from_batch, "windows_scored_this_run": self.windows_scored_this_run,
+            "nll_by_position_std": self.by_position.nll_std, "tokens_by_position": self.by_position.tokens,
+            "nll_by_position_buckets": self.by_position.buckets,
+            "config": self.config, "environment": self.environment,
+        }
+        if self.world_size:
+            report["world_size"] = self.world_size
+        report["protocol"] = self.protocol
+        if self.divergence is not None:
+            report["divergence"] = self.divergence
+        return report
+
+    def __getitem__(self, name: str) -> Any:
+        return self.to_dict()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.to_dict())
+
+    def __len__(self) -> int:
+        return len(self.to_dict())
+
+
 def _finite_or_none(values: np.ndarray) -> list:
     return [None if math.isnan(x) else float(x) for x in values]
 
 
-def by_position(sums: DeviceSums) -> dict:
-    """Mean NLL, its population standard deviation and the count at each position inside the window."""
+def by_position(sums: DeviceSums) -> ByPosition:
     counts = sums.position_count.cpu().numpy()
     mean = np.where(counts > 0, sums.position_nll_sum.cpu().numpy() / np.maximum(counts, 1), np.nan)
     # E[x^2] - E[x]^2, clipped at 0 where float64 rounding makes a near-constant position's variance negative
     mean_square = np.where(counts > 0, sums.position_nll_sq_sum.cpu().numpy() / np.maximum(counts, 1), np.nan)
     std = np.sqrt(np.maximum(mean_square - mean ** 2, 0.0))
-    return {"nll_by_position": _finite_or_none(mean), "nll_by_position_std": _finite_or_none(std),
-            "tokens_by_position": [int(c) for c in counts],
-            "nll_by_position_buckets": loss_by_position_buckets(sums.position_nll_sum.cpu().numpy(), counts)}
+    return ByPosition(_finite_or_none(mean), _finite_or_none(std), [int(c) for c in counts],
+                      loss_by_position_buckets(sums.position_nll_sum.cpu().numpy(), counts))
 
 
 def corpus_metrics(nll_sum: float, plan: WindowPlan, n_bytes: int, n_words: int) -> dict:
@@ -106,28 +227,29 @@ def corpus_metrics(nll_sum: float, plan: WindowPlan, n_bytes: int, n_words: int)
     }
 
 
-def how_it_ran(acceleration, scored: Scored, plan: WindowPlan, model: nn.Module, device: torch.device,
-               dtype: torch.dtype, use_kv_cache: bool, window: dict, kv_cache: str) -> dict:
-    """Batching, attention, the windows, compile, fusions, products and batch size: each choice and why."""
+def how_it_ran(run: Run, windows: Windows, prepared: Prepared, scored: Scored) -> HowItRan:
+    acceleration, plan, use_kv_cache = prepared.acceleration, windows.plan, windows.use_kv_cache
     packed = acceleration.batching == "packed" and not use_kv_cache
-    return {
+    config = run.config
+    return HowItRan(
         # the cached sliding path scores document rows of its own, not the planned batches
-        "batching": "kv-cache rows" if use_kv_cache else acceleration.batching,
-        "batching_reason": "one row per document (--kv-cache on)" if use_kv_cache else acceleration.batching_reason,
-        "batches": None if use_kv_cache else len(scored.plans),
-        # the kernel that kept packed documents apart: varlen, flex or sdpa-mask (after any fallback)
-        "document_attention": document_attention_backend(device, dtype) if packed else None,
-        "document_attention_fallback": varlen_failure(),   # why varlen gave way to FlexAttention, if it did
-        "padding_waste": None if use_kv_cache else padding_waste(scored.plans, plan.window_lengths),
-        **window, "dtype": str(dtype).replace("torch.", ""),
-        # native, or transformers and why (asked for, or what the native model lacks)
-        "backend": f"transformers ({model.why})" if isinstance(model, HFCausalLM) else "native",
-        "compile": acceleration.compile_reason, "mlp_epilogue": acceleration.mlp_epilogue,
-        "residual_norms": acceleration.residual_norms, "products": scored.products, "loss": acceleration.loss,
-        "batch_size": scored.batch_size, "batch_size_reason": scored.batch_size_reason, "kv_cache": kv_cache,
-        "tokens_forwarded": plan.n_scored if use_kv_cache else plan.n_positions,   # positions run through the model
-        "tokens_forwarded_without_cache": plan.n_positions,
-    }
+        batching="kv-cache rows" if use_kv_cache else acceleration.batching,
+        batching_reason="one row per document (--kv-cache on)" if use_kv_cache else acceleration.batching_reason,
+        batches=None if use_kv_cache else len(scored.plans),
+        # after any fallback: varlen, flex or sdpa-mask
+        document_attention=document_attention_backend(run.device, run.dtype) if packed else None,
+        document_attention_fallback=varlen_failure(),
+        padding_waste=None if use_kv_cache else padding_waste(scored.plans, plan.window_lengths),
+        ctx=windows.ctx, stride=sliding_stride(config.stride, windows.ctx) if config.window == "sliding" else None,
+        window=config.window, dtype=str(run.dtype).replace("torch.", ""),
+        # asked for, or what the native model lacks
+        backend=f"transformers ({prepared.model.why})" if isinstance(prepared.model, HFCausalLM) else "native",
+        compile=acceleration.compile_reason, mlp_epilogue=acceleration.mlp_epilogue,
+        residual_norms=acceleration.residual_norms, products=scored.products, loss=acceleration.loss,
+        batch_size=scored.batch_size, batch_size_reason=scored.batch_size_reason, kv_cache=windows.kv_cache_reason,
+        tokens_forwarded=plan.n_scored if use_kv_cache else plan.n_positions,
+        tokens_forwarded_without_cache=plan.n_positions,
+    )
 
 
 def per_document(documents: list[Document], plan: WindowPlan, sums: DeviceSums, n_bytes: np.ndarray,
@@ -137,20 +259,25 @@ def per_document(documents: list[Document], plan: WindowPlan, sums: DeviceSums, 
              "words": int(n_words[d]), "nll_sum": float(nll_by_document[d])} for d in plan.scored_documents]
 
 
-def error_bars(config, documents: list[Document], tokens: list[np.ndarray], tokenizer: Tokenizer, plan: WindowPlan,
-               sums: DeviceSums, nll_sum: float, bytes_by_document: np.ndarray) -> dict:
-    """The standard errors, the bootstrap intervals (--bootstrap) and the per-group results (--group-by)."""
+def metrics(config, corpus: Corpus, plan: WindowPlan, scored: Scored, bytes_by_document: np.ndarray,
+            words_by_document: np.ndarray) -> Metrics:
+    """The corpus' figures, the standard errors, the bootstrap intervals (--bootstrap) and the per-group results
+    (--group-by)."""
+    documents, sums = corpus.documents, scored.sums
+    # lm-eval's wikitext task counts the words of every page, an empty one's too; elsewhere the scored documents'
+    counted = np.arange(len(documents)) if config.protocol == "lm-eval-wikitext" else plan.scored_documents
+    figures = corpus_metrics(scored.nll_sum, plan, int(bytes_by_document[counted].sum()),
+                             int(words_by_document[counted].sum()))
     n_bytes = int(bytes_by_document[plan.scored_documents].sum())
-    fields = standard_errors(nll_sum, float(sums.position_nll_sq_sum.sum()), plan.n_scored, n_bytes)
-    fields["bootstrap"] = None
+    stderr = standard_errors(scored.nll_sum, float(sums.position_nll_sq_sum.sum()), plan.n_scored, n_bytes)
+    boot = groups = None
     if config.bootstrap:
-        units = bootstrap_units(documents, tokens, plan, sums, bytes_by_document, tokenizer)
-        fields["bootstrap"] = bootstrap(units, config.bootstrap, config.bootstrap_seed)
-    fields["groups"] = None
+        units = bootstrap_units(documents, corpus.tokens, plan, sums, bytes_by_document, corpus.tokenizer)
+        boot = bootstrap(units, config.bootstrap, config.bootstrap_seed)
     if config.group_by:
-        fields["groups"] = group_results(config.group_by, documents, plan, sums.per_document[:-1].cpu().numpy(),
-                                         bytes_by_document)
-    return fields
+        groups = group_results(config.group_by, documents, plan, sums.per_document[:-1].cpu().numpy(),
+                               bytes_by_document)
+    return Metrics(**figures, stderr=stderr, bootstrap=boot, groups=groups)
 
 
 def tokenization_note(tokenizer: Tokenizer) -> str:
@@ -163,46 +290,37 @@ def tokenization_note(tokenizer: Tokenizer) -> str:
     return "exact, long texts in parallel pieces"
 
 
-def assemble_result(config, device: torch.device, dtype: torch.dtype, documents: list[Document], corpus_digest: str,
-                    tokens: list[np.ndarray], tokenizer: Tokenizer, model: nn.Module, plan: WindowPlan,
-                    acceleration, scored: Scored, *, ctx: int, kv_cache: str, use_kv_cache: bool,
-                    stage_seconds: dict, started: float, world_size: Optional[int]) -> dict:
-    """The report's fields ("_per_token" and "_per_doc" hold what goes to --per-token and --per-doc); started:
-    the run's perf_counter() at its start, for wall_seconds."""
-    bytes_by_document = scored_bytes_by_document(documents, tokens, plan, tokenizer)
+def timings(run: Run, scored: Scored, scored_here: int) -> Timings:
+    """scored_here: the tokens this run scored (a resumed run timed only those; a finished one, none)."""
+    rate = scored_here / scored.seconds if scored.seconds > 0 and scored_here > 0 else float("nan")
+    return Timings(wall_seconds=time.perf_counter() - run.started, scoring_seconds=scored.seconds,
+                   stage_seconds=run.stage_seconds, tokens_per_second=rate,
+                   peak_memory_bytes=torch.cuda.max_memory_allocated(run.device) if run.device.type == "cuda"
+                   else None,
+                   peak_host_memory_bytes=peak_host_memory_bytes())
+
+
+def assemble_result(run: Run, corpus: Corpus, windows: Windows, prepared: Prepared, scored: Scored) -> EvalResult:
+    """The result from the stages' own results (fastppl.pipeline.evaluate)."""
+    config, documents, plan = run.config, corpus.documents, windows.plan
+    bytes_by_document = scored_bytes_by_document(documents, corpus.tokens, plan, corpus.tokenizer)
     words_by_document = np.array([lm_eval_word_count(d.text_counted) for d in documents], dtype=np.int64)
-    scored_here = plan.n_scored - scored.scored_before
-    window = {"ctx": ctx, "stride": sliding_stride(config.stride, ctx) if config.window == "sliding" else None,
-              "window": config.window}
-    positions = by_position(scored.sums)
-    # lm-eval's wikitext task counts the words of every page, an empty one's too; elsewhere the scored documents'
-    counted = np.arange(len(documents)) if config.protocol == "lm-eval-wikitext" else plan.scored_documents
-    result = {
-        **corpus_metrics(scored.nll_sum, plan, int(bytes_by_document[counted].sum()),
-                         int(words_by_document[counted].sum())),
-        **error_bars(config, documents, tokens, tokenizer, plan, scored.sums, scored.nll_sum, bytes_by_document),
-        "documents": len(documents), "corpus_sha256": corpus_digest,
-        # long texts go through the tokenizer in parallel pieces (fastppl.data.pieces) unless it allows no exact cut
-        "tokenization": tokenization_note(tokenizer),
-        "documents_skipped": len(documents) - len(plan.scored_documents), "windows": len(plan.refs),
-        **how_it_ran(acceleration, scored, plan, model, device, dtype, use_kv_cache, window, kv_cache),
-        "wall_seconds": time.perf_counter() - started, "scoring_seconds": scored.seconds,
-        "stage_seconds": stage_seconds,
-        # this run's tokens over this run's time (a resumed run timed only what it scored; a finished one, nothing)
-        "tokens_per_second": scored_here / scored.seconds if scored.seconds > 0 and scored_here > 0 else float("nan"),
-        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        "peak_host_memory_bytes": peak_host_memory_bytes(),
-        "nll_by_position": positions["nll_by_position"], "per_doc_path": config.per_doc,
-        "resumed_from_batch": scored.start_batch if config.resume else None,
-        "windows_scored_this_run": int(sum(len(p.windows) for p in scored.plans[scored.start_batch:])),
-        "nll_by_position_std": positions["nll_by_position_std"], "tokens_by_position": positions["tokens_by_position"],
-        "nll_by_position_buckets": positions["nll_by_position_buckets"],   # log-spaced (fastppl.report.positions)
-        "config": config.to_dict(), "environment": environment(device),
-    }
-    if world_size:
-        result["world_size"] = world_size
-    if config.per_token:
-        result["_per_token"] = scored.sums.per_token[:-1].cpu().numpy()
-    if config.per_doc:
-        result["_per_doc"] = per_document(documents, plan, scored.sums, bytes_by_document, words_by_document)
-    return result
+    figures = metrics(config, corpus, plan, scored, bytes_by_document, words_by_document)
+    return EvalResult(
+        metrics=figures,
+        corpus=CorpusSummary(documents=len(documents), corpus_sha256=corpus.digest,
+                             tokenization=tokenization_note(corpus.tokenizer),
+                             documents_skipped=len(documents) - len(plan.scored_documents), windows=len(plan.refs)),
+        how_it_ran=how_it_ran(run, windows, prepared, scored),
+        timings=timings(run, scored, plan.n_scored - scored.scored_before),
+        by_position=by_position(scored.sums), per_doc_path=config.per_doc,
+        resumed_from_batch=scored.start_batch if config.resume else None,
+        windows_scored_this_run=int(sum(len(p.windows) for p in scored.plans[scored.start_batch:])),
+        config=config.to_dict(), environment=environment(run.device),
+        protocol=protocol_card(config, corpus.protocol, plan, corpus.tokenizer, windows.ctx, corpus.datasets,
+                               figures, float(scored.sums.position_nll_sq_sum.sum().item())),
+        world_size=run.dist.world_size if run.dist else None,
+        per_token=scored.sums.per_token[:-1].cpu().numpy() if config.per_token else None,
+        per_doc=per_document(documents, plan, scored.sums, bytes_by_document, words_by_document)
+        if config.per_doc else None,
+    )
