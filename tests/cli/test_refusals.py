@@ -3,7 +3,6 @@ code 2, no output file, and neither a model built nor the tokenizer or the corpu
 here): options are checked in the one pass that builds the run's EvalConfig, before anything is loaded. What
 only the model or the corpus can tell (a context past the model's maximum, a text shorter than a block, ...) is
 tested beside the table, once each."""
-import json
 
 import pytest
 
