@@ -32,7 +32,6 @@ REFUSALS = [
     (["--batch-size", "many"], "argument --batch-size: expected a positive integer or auto, got 'many'"),
     (["--bootstrap-seed", "-1"], "argument --bootstrap-seed: must be at least 0, got -1"),
     (["--seed", str(10**23)], "argument --seed: must be below 2**64"),
-    (["--nproc", "0"], "argument --nproc: must be at least 1, got 0"),
     # numbers below their minimum
     (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
     (["--ctx", "1"], "--ctx must be at least 2, got 1"),
@@ -41,6 +40,7 @@ REFUSALS = [
     (["--resume", "{tmp}/ckpt", "--checkpoint-seconds", "nan"], "--checkpoint-seconds must be a number >= 0, got nan"),
     (["--resume", "{tmp}/ckpt", "--checkpoint-seconds", "-1"], "--checkpoint-seconds must be a number >= 0, got -1"),
     (["--bootstrap", "50"], "--bootstrap must be 0 (off) or at least 100, got 50"),
+    (["--nproc", "0"], "--nproc must be at least 1, got 0"),
     # windows
     (["--stride", "4"], "--stride applies to --window sliding only"),
     (["--kv-cache", "on"], "--kv-cache on applies to --window sliding only (chunked windows share no tokens)"),
@@ -186,3 +186,76 @@ def test_a_text_shorter_than_a_block_names_ctx_and_both_numbers(tmp_path, output
                        "to 3 or less, or pass a longer text\n")
     _assert_user_error(*_main(capsys, _args(TINY, text, outputs, tokenizer_dir, "--protocol", "gptq",
                                             "--ctx", "8")), outputs, "; lower --ctx to 7 or less, or pass a longer text\n")
+
+
+BENCH_REFUSALS = [
+    (["--peers", "fastppl,nope"], "unknown --peers nope; use a subset of naive,autocast,hf-bf16,hf-compiled,fastppl"),
+    (["--peers", ""], "--peers is empty"),
+    (["--peers", "fastppl,fastppl"], "has an empty or repeated name"),
+    (["--generate", "--peers", "nope"], "unknown --peers nope for --generate"),
+    (["--generate", "--new-tokens", "1"], "--new-tokens must be at least 2"),
+    (["--generate", "--batch-sizes", "1,,2"], "--batch-sizes takes comma-separated integers"),
+    (["--generate", "--seq", "64"], "--batch-size and --seq are for scoring"),
+    (["--new-tokens", "8"], "--new-tokens apply to bench --generate only"),
+    (["--corpus", "docs", "--rounds", "3"], "--rounds do not apply to --corpus docs"),
+    (["--model", "gpt2"], "bench takes a random:<preset> model, got 'gpt2'"),
+    (["--corpus", "docs", "--model", "gpt2"], "bench --corpus docs takes a random:<preset> model, got 'gpt2'"),
+    (["--device", "tpu"], "unknown --device 'tpu'"),
+]
+if not __import__("torch").cuda.is_available():
+    BENCH_REFUSALS.append((["--loss", "fused", "--peers", "fastppl"], "--loss fused needs a CUDA device"))
+
+
+@pytest.mark.parametrize("extra, message", BENCH_REFUSALS, ids=[" ".join(e)[:50] for e, _ in BENCH_REFUSALS])
+def test_bench_refuses_before_drawing_weights(extra, message, tmp_path, capsys, monkeypatch):
+    import fastppl.models.loading as loading
+
+    def drawn(*args, **kwargs):
+        raise AssertionError("weights were drawn before the refusal")
+    monkeypatch.setattr(loading, "random_native", drawn)
+    args = ["bench", "--model", SLOW_MODEL, "--device", "cpu", "--json", str(tmp_path / "b.json"), "--quiet"]
+    for flag in ("--model", "--device"):
+        if flag in extra:
+            at = extra.index(flag)
+            args[args.index(flag) + 1] = extra[at + 1]
+            extra = extra[:at] + extra[at + 2:]
+    rc, err = _run([*args, *extra], capsys)
+    assert rc == 2 and err.startswith("fastppl: error: ") and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "b.json").exists()
+
+
+GENERATE_REFUSALS = [
+    (["--top-k", "5"], "--top-k applies to sampling, and --temperature 0 decodes greedily"),
+    (["--top-p", "0.5", "--seed", "3"], "--top-p, --seed apply to sampling"),
+    (["--temperature", "nan"], "--temperature must be a finite number"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),
+    (["--prompts", ""], "--prompts: empty path"),
+    (["--prompts", "{tmp}/missing.txt"], "--prompts {tmp}/missing.txt: cannot be read"),
+    (["--model", ""], "--model is empty"),
+    (["--tokenizer", ""], "--tokenizer is empty"),
+    (["--model", "{tmp}/no/such/dir"], "no such model directory; check --model"),
+    (["--device", "tpu"], "unknown --device 'tpu'"),
+]
+
+
+@pytest.mark.parametrize("extra, message", GENERATE_REFUSALS, ids=[" ".join(e)[:50] for e, _ in GENERATE_REFUSALS])
+def test_generate_refuses_before_loading(extra, message, tmp_path, tokenizer_dir, capsys, monkeypatch):
+    import fastppl.data.tokenize as tokenize
+    import fastppl.models as models
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model or tokenizer was loaded before the refusal")
+    monkeypatch.setattr(models, "load_model", loaded)
+    monkeypatch.setattr(tokenize, "load_tokenizer", loaded)
+    args = ["generate", "--model", SLOW_MODEL, "--tokenizer", str(tokenizer_dir), "--device", "cpu", "--prompt", "hi",
+            "--json", str(tmp_path / "g.json")]
+    extra = [a.format(tmp=tmp_path) for a in extra]
+    for flag in ("--model", "--tokenizer", "--device"):
+        if flag in extra:
+            at = extra.index(flag)
+            args[args.index(flag) + 1] = extra[at + 1]
+            extra = extra[:at] + extra[at + 2:]
+    rc, err = _run([*args, *extra], capsys)
+    message = message.format(tmp=tmp_path)
+    assert rc == 2 and err.startswith("fastppl: error: ") and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "g.json").exists()

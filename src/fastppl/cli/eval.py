@@ -100,7 +100,7 @@ def _add_scoring_arguments(p) -> None:
                         "keys/values (faster, but carries context from before the window; see "
                         "docs/llama-and-generation.md) (default: %(default)s, which is off)")
     p.add_argument("--seed", type=seed, default=0, help="seed of random:PRESET weights (default: %(default)s)")
-    p.add_argument("--nproc", type=at_least(1), help="processes (GPUs) on this machine: re-runs the command under torchrun "
+    p.add_argument("--nproc", type=int, help="processes (GPUs) on this machine: re-runs the command under torchrun "
                                              "(default: one process)")
 
 
@@ -166,6 +166,8 @@ def check_outputs(args: argparse.Namespace) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    if args.nproc is not None and args.nproc < 1:
+        raise FastpplError(f"--nproc must be at least 1, got {args.nproc}")
     if args.nproc is not None and args.nproc != 1:
         return _check_and_relaunch(args)
     from ..distributed import init_distributed, is_main_process, stop_all_on_failure
