@@ -303,9 +303,9 @@ def test_nproc_refuses_a_reference_device_before_starting_torchrun(tmp_path, tok
     (["--reference-model", "random:gpt2-tiny", "--loss", "fused"],
      "--loss fused does not work with --reference-model (both models' divergence runs its own chunked kernel over "
      "every position); drop --loss fused"),
-    (["--reference-model", "random:gpt2-tiny", "--resume", "ckpt"],
-     "--resume does not work with --reference-model (both models' divergence runs its own chunked kernel over "
-     "every position); drop --resume"),
+    (["--reference-model", "random:gpt2-tiny", "--kv-cache", "on", "--window", "sliding"],
+     "--kv-cache on does not work with --reference-model (both models read the planned windows whole, and cached "
+     "windows read only their new tokens); drop --kv-cache on"),
 ])
 def test_refusals_are_one_line(tmp_path, tokenizer_dir, text_path, capsys, monkeypatch, extra, message):
     monkeypatch.chdir(tmp_path)

@@ -14,9 +14,15 @@ DTYPES = ("auto", "fp32", "bf16", "fp16")
 BACKENDS = ("auto", "native", "hf")
 BATCHING_SETTINGS = ("auto", "packed", "bucketed", "padded")
 MIN_BOOTSTRAP = 100
+DEFAULT_CHECKPOINT_SECONDS = 60.0
 # --protocol NAME and the windows it fixes (fastppl.data.protocols holds the rest of each)
 PROTOCOL_WINDOWS = {"lm-eval-rolling": "chunked", "hf-guide": "sliding", "gptq": "blocks", "llama.cpp": "blocks",
                     "lm-eval-wikitext": "chunked"}
+PROTOCOL_TEXT_FIELDS = {"lm-eval-wikitext": "page"}   # the default --text-field where it is not "text"
+PROTOCOL_MIN_CTX = {"llama.cpp": 3}                   # it scores positions ctx/2 .. ctx-2 only
+# --data NAME of a corpus as the quantization literature reads it, and the protocols that read it
+# (fastppl.data.protocols.CORPORA holds where and how)
+CORPUS_PROTOCOLS = {"wikitext2": ("gptq", "hf-guide"), "c4": ("gptq",)}
 
 
 def is_path_like(spec: str) -> bool:
@@ -52,7 +58,8 @@ class EvalConfig:
     data: list[str]                     # paths or built-in corpus names
     tokenizer: Optional[str] = None     # defaults to the model's own tokenizer
     split: str = "all"                  # train | val | all (nanoGPT's 90/10 split by characters)
-    text_field: str = "text"            # the field of a .jsonl line that holds the document
+    text_field: Optional[str] = None    # the field of a .jsonl line that holds the document; None = "text", or
+                                        # the protocol's own (PROTOCOL_TEXT_FIELDS)
     id_field: Optional[str] = None      # .jsonl / hf: the field of the document's id (default: "id" if present)
     group_by: Optional[str] = None      # .jsonl / hf: the field whose values group the documents' results
     data_dir: Optional[str] = None      # local copies of built-in corpora (or FASTPPL_DATA_DIR)
@@ -79,71 +86,196 @@ class EvalConfig:
     bootstrap: int = 0                  # resamples of the bootstrap interval (0: none), see fastppl.report.stats
     bootstrap_seed: int = 0             # the bootstrap's resampling seed: the same seed, the same interval
     resume: Optional[str] = None        # checkpoint directory of a resumable run, see fastppl.resume
-    checkpoint_seconds: float = 60.0    # with resume: save at least this often ...
+    checkpoint_seconds: Optional[float] = None   # with resume: save at least this often (None: 60) ...
     checkpoint_batches: Optional[int] = None   # ... and every this many batches
     reference_model: Optional[str] = None   # divergence of --model from this one, see fastppl.reference
     reference_seed: Optional[int] = None    # seeds a random:<preset> reference; None = seed
     reference_device: Optional[str] = None  # where the reference runs; None = device
 
     def __post_init__(self) -> None:
+        """Every option and combination of options is checked here, before anything is read or built (what only
+        the model or the corpus can tell is checked where that becomes known: check_ctx with the model's maximum
+        context); then the defaults that depend on other options are resolved."""
+        check_options(self)
+        check_ctx(self, self.ctx)
         if self.protocol is not None:
-            self._apply_protocol()
-        if self.window not in WINDOW_MODES and not (self.protocol and self.window == "blocks"):
-            raise FastpplError(f"unknown --window {self.window!r}; use one of {', '.join(WINDOW_MODES)}")
-        if self.dtype not in DTYPES:
-            raise FastpplError(f"unknown --dtype {self.dtype!r}; use one of {', '.join(DTYPES)}")
-        if self.backend not in BACKENDS:
-            raise FastpplError(f"unknown --backend {self.backend!r}; use one of {', '.join(BACKENDS)}")
-        if self.split not in ("train", "val", "all"):
-            raise FastpplError(f"unknown --split {self.split!r}; use train, val or all")
-        if self.errors not in ("strict", "replace"):
-            raise FastpplError(f"unknown --errors {self.errors!r}; use strict or replace")
-        if self.compile not in ("auto", "on", "off"):
-            raise FastpplError(f"unknown --compile {self.compile!r}; use auto, on or off")
-        if self.tune_products not in ("on", "off"):
-            raise FastpplError(f"unknown --tune-products {self.tune_products!r}; use on or off")
-        if self.kv_cache not in ("auto", "on", "off"):
-            raise FastpplError(f"unknown --kv-cache {self.kv_cache!r}; use auto, on or off")
-        if self.batch_size != "auto" and (not isinstance(self.batch_size, int) or self.batch_size < 1):
-            raise FastpplError(f"--batch-size must be at least 1, got {self.batch_size}")
-        if self.ctx is not None and self.ctx < 2:
-            raise FastpplError(f"--ctx must be at least 2, got {self.ctx}")
-        if self.stride is not None and self.window != "sliding":
-            raise FastpplError("--stride applies to --window sliding only")
-        if self.kv_cache == "on" and self.window != "sliding":
-            raise FastpplError("--kv-cache on applies to --window sliding only (chunked windows share no tokens)")
-        if self.bos and self.window != "sliding":
-            raise FastpplError("--bos applies to --window sliding only (chunked windows always start with BOS)")
-        if self.loss not in ("auto", "chunked", "fused"):
-            raise FastpplError(f"unknown --loss {self.loss!r}; use auto, chunked or fused")
-        if self.batching not in BATCHING_SETTINGS:
-            raise FastpplError(f"unknown --batching {self.batching!r}; use one of {', '.join(BATCHING_SETTINGS)}")
-        if self.checkpoint_batches is not None and self.checkpoint_batches < 1:
-            raise FastpplError(f"--checkpoint-batches must be at least 1, got {self.checkpoint_batches}")
-        if not (self.checkpoint_seconds >= 0):   # also refuses NaN, which would never trigger a checkpoint
-            raise FastpplError(f"--checkpoint-seconds must be a number >= 0, got {self.checkpoint_seconds}")
-        if self.bootstrap != 0 and not (isinstance(self.bootstrap, int) and self.bootstrap >= MIN_BOOTSTRAP):
-            # fewer resamples put the 2.5 % and 97.5 % percentiles on a handful of values
-            raise FastpplError(f"--bootstrap must be 0 (off) or at least {MIN_BOOTSTRAP}, got {self.bootstrap}")
-        if self.bootstrap_seed < 0:
-            raise FastpplError(f"--bootstrap-seed must be at least 0, got {self.bootstrap_seed}")
-        if self.loss_chunk_rows < 1:
-            raise FastpplError("--loss-chunk-rows must be at least 1")
-
-    def _apply_protocol(self) -> None:
-        """A protocol fixes the windows and the BOS rule: options that would change them are refused."""
-        if self.protocol not in PROTOCOL_WINDOWS:
-            raise FastpplError(f"unknown --protocol {self.protocol!r}; use one of {', '.join(PROTOCOL_WINDOWS)}")
-        window = PROTOCOL_WINDOWS[self.protocol]
-        if self.window not in ("chunked", window):   # chunked: the default, left as it is
-            raise FastpplError(f"--window {self.window} does not go with --protocol {self.protocol}, which fixes its "
-                               "windows; drop --window")
-        self.window = window
-        fixed = [flag for flag, given in (("--bos", self.bos), ("--kv-cache on", self.kv_cache == "on"),
-                                          ("--stride", self.stride is not None and window != "sliding")) if given]
-        if fixed:
-            raise FastpplError(f"{fixed[0]} does not go with --protocol {self.protocol}, which fixes what it would "
-                               f"change; drop {fixed[0]}")
+            self.window = PROTOCOL_WINDOWS[self.protocol]
+        if self.text_field is None:
+            self.text_field = PROTOCOL_TEXT_FIELDS.get(self.protocol, "text")
+        if self.checkpoint_seconds is None:
+            self.checkpoint_seconds = DEFAULT_CHECKPOINT_SECONDS
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# --------------------------------------------------------------------------------------- the options' checks
+# option, EvalConfig field, its values (argparse offers the same choices; these check the Python API's configs)
+CHOICES = (("--window", "window", WINDOW_MODES), ("--dtype", "dtype", DTYPES), ("--backend", "backend", BACKENDS),
+           ("--split", "split", ("train", "val", "all")), ("--errors", "errors", ("strict", "replace")),
+           ("--compile", "compile", ("auto", "on", "off")), ("--tune-products", "tune_products", ("on", "off")),
+           ("--kv-cache", "kv_cache", ("auto", "on", "off")), ("--loss", "loss", ("auto", "chunked", "fused")),
+           ("--batching", "batching", BATCHING_SETTINGS))
+
+
+def check_options(config: EvalConfig) -> None:
+    """Every option of an eval and every combination of them: one line naming the option and the fix."""
+    _check_choices(config)
+    _check_numbers(config)
+    _check_names(config)
+    if config.protocol is not None:
+        _check_protocol(config)
+    _check_windows(config)
+    _check_fields(config)
+    _check_named_corpora(config)
+    _check_resume(config)
+    _check_reference(config)
+
+
+def check_ctx(config: EvalConfig, ctx: Optional[int]) -> None:
+    """The options that depend on the context: at construction with --ctx, or with the model's maximum when the
+    model is known (ctx None: only what holds for every context)."""
+    stride = config.stride
+    if stride is not None and (stride < 1 or (ctx is not None and stride > ctx)):
+        bounds = f"between 1 and --ctx ({ctx})" if ctx is not None else "at least 1"
+        raise FastpplError(f"--stride must be {bounds}, got {stride}")
+    minimum = PROTOCOL_MIN_CTX.get(config.protocol)
+    if minimum is not None and ctx is not None and ctx < minimum:
+        raise FastpplError(f"--protocol {config.protocol} scores positions from ctx/2 to ctx-2, none with --ctx "
+                           f"{ctx}; use --ctx {minimum} or more")
+
+
+def check_one_process(config: EvalConfig) -> None:
+    """Options that run in one process only, refused under --nproc or torchrun before anything starts."""
+    for flag, given in (("--resume", config.resume is not None), ("--kv-cache on", config.kv_cache == "on"),
+                        ("--reference-device", config.reference_device is not None)):
+        if given:
+            raise FastpplError(f"{flag} runs in one process only; drop it or run without --nproc / torchrun")
+
+
+def check_model_spec(spec: Optional[str], flag: str) -> None:
+    """--model, --reference-model or --tokenizer given as an empty string: else it would read as not given, or
+    fail obscurely as a path."""
+    if spec is None or spec.strip():
+        return
+    if flag == "--tokenizer":
+        raise FastpplError("--tokenizer is empty; give a tokenizer directory or hub id, or leave it out")
+    raise FastpplError(f"{flag} is empty; give a checkpoint directory, a hub id or random:<preset>")
+
+
+def _check_choices(config: EvalConfig) -> None:
+    for flag, name, values in CHOICES:
+        value = getattr(config, name)
+        if name == "window" and config.protocol is not None:
+            continue   # a protocol's window: _check_protocol
+        if value not in values:
+            raise FastpplError(f"unknown {flag} {value!r}; use one of {', '.join(values)}")
+    if config.protocol is not None and config.protocol not in PROTOCOL_WINDOWS:
+        raise FastpplError(f"unknown --protocol {config.protocol!r}; use one of {', '.join(PROTOCOL_WINDOWS)}")
+
+
+def _check_numbers(config: EvalConfig) -> None:
+    if config.batch_size != "auto" and (not isinstance(config.batch_size, int) or config.batch_size < 1):
+        raise FastpplError(f"--batch-size must be at least 1, got {config.batch_size}")
+    for flag, value, minimum in (("--ctx", config.ctx, 2), ("--loss-chunk-rows", config.loss_chunk_rows, 1),
+                                 ("--checkpoint-batches", config.checkpoint_batches, 1),
+                                 ("--bootstrap-seed", config.bootstrap_seed, 0)):
+        if value is not None and value < minimum:
+            raise FastpplError(f"{flag} must be at least {minimum}, got {value}")
+    seconds = config.checkpoint_seconds
+    if seconds is not None and not seconds >= 0:   # also refuses NaN, which would never trigger a checkpoint
+        raise FastpplError(f"--checkpoint-seconds must be a number >= 0, got {seconds}")
+    if config.bootstrap != 0 and not (isinstance(config.bootstrap, int) and config.bootstrap >= MIN_BOOTSTRAP):
+        # fewer resamples put the 2.5 % and 97.5 % percentiles on a handful of values
+        raise FastpplError(f"--bootstrap must be 0 (off) or at least {MIN_BOOTSTRAP}, got {config.bootstrap}")
+
+
+def _check_names(config: EvalConfig) -> None:
+    check_model_spec(config.model, "--model")
+    check_model_spec(config.tokenizer, "--tokenizer")
+    check_model_spec(config.reference_model, "--reference-model")
+    if config.resume is not None and not config.resume.strip():   # else it would read as no --resume, silently
+        raise FastpplError("--resume: empty path; give a directory for the checkpoint or leave --resume out")
+
+
+def _check_protocol(config: EvalConfig) -> None:
+    """A protocol fixes the windows, the BOS rule and how its corpus is read: options that would change them are
+    refused."""
+    window = PROTOCOL_WINDOWS[config.protocol]
+    if config.window not in ("chunked", window):   # chunked: the default, left as it is
+        raise FastpplError(f"--window {config.window} does not go with --protocol {config.protocol}, which fixes "
+                           "its windows; drop --window")
+    fixed = [flag for flag, given in (("--bos", config.bos), ("--kv-cache on", config.kv_cache == "on"),
+                                      ("--stride", config.stride is not None and window != "sliding")) if given]
+    if fixed:
+        raise FastpplError(f"{fixed[0]} does not go with --protocol {config.protocol}, which fixes what it would "
+                           f"change; drop {fixed[0]}")
+    if config.id_field is not None or config.group_by is not None:
+        raise FastpplError("--id-field and --group-by apply without --protocol (a protocol fixes how its corpus is "
+                           "read); drop them or --protocol")
+
+
+def _check_windows(config: EvalConfig) -> None:
+    window = PROTOCOL_WINDOWS[config.protocol] if config.protocol is not None else config.window
+    if window != "sliding":
+        for flag, given, why in (("--stride", config.stride is not None, ""),
+                                 ("--kv-cache on", config.kv_cache == "on", " (chunked windows share no tokens)"),
+                                 ("--bos", config.bos, " (chunked windows always start with BOS)")):
+            if given:
+                raise FastpplError(f"{flag} applies to --window sliding only{why}")
+    if config.kv_cache != "on":
+        return
+    if config.batching != "auto":   # it would be ignored: the cached path makes its own rows
+        raise FastpplError(f"--batching {config.batching} does not apply with --kv-cache on, which scores a row "
+                           "per document; drop one of them")
+    if config.resume is not None:   # the cached path scores a row per document, not the batches checkpoints count
+        raise FastpplError("--resume does not work with --kv-cache on; drop one of them")
+
+
+def _check_fields(config: EvalConfig) -> None:
+    """--text-field, --id-field and --group-by name fields of records: given with no .jsonl or hf: --data,
+    they would be ignored."""
+    if any(s.startswith("hf:") or Path(s).suffix == ".jsonl" for s in config.data):
+        return
+    for flag, given in (("--text-field", config.text_field), ("--id-field", config.id_field),
+                        ("--group-by", config.group_by)):
+        if given is not None:
+            raise FastpplError(f"{flag} applies to .jsonl files and hf: datasets, and no --data is one; drop it")
+
+
+def _check_named_corpora(config: EvalConfig) -> None:
+    """--data wikitext2 or c4: read as a protocol reads it, alone. Without --protocol, a file of that name is read
+    as a file."""
+    if config.protocol is None:
+        named = [s for s in config.data if s in CORPUS_PROTOCOLS and not Path(s).exists()]
+        if named:
+            protocols = CORPUS_PROTOCOLS[named[0]]
+            raise FastpplError(f"--data {named[0]} is a corpus of --protocol {' or '.join(protocols)}; add "
+                               f"--protocol {protocols[0]}")
+        return
+    named = [s for s in config.data if s in CORPUS_PROTOCOLS]
+    if named and (config.protocol not in CORPUS_PROTOCOLS[named[0]] or len(config.data) > 1):
+        raise FastpplError(f"--data {named[0]} is a corpus of --protocol {' or '.join(CORPUS_PROTOCOLS[named[0]])}, "
+                           "read alone; use that protocol and no other --data")
+    if named and config.split != "all":
+        raise FastpplError(f"--split {config.split} applies to a single text; use --split all with --data {named[0]}")
+
+
+def _check_resume(config: EvalConfig) -> None:
+    if config.resume is None and (config.checkpoint_seconds is not None or config.checkpoint_batches is not None):
+        raise FastpplError("--checkpoint-seconds and --checkpoint-batches apply with --resume only; add --resume DIR")
+
+
+def _check_reference(config: EvalConfig) -> None:
+    if config.reference_model is None:
+        for flag, given in (("--reference-seed", config.reference_seed),
+                            ("--reference-device", config.reference_device)):
+            if given is not None:
+                raise FastpplError(f"{flag} applies with --reference-model only; add --reference-model or drop it")
+        return
+    if config.loss == "fused":
+        raise FastpplError("--loss fused does not work with --reference-model (both models' divergence runs its own "
+                           "chunked kernel over every position); drop --loss fused")
+    if config.kv_cache == "on":
+        raise FastpplError("--kv-cache on does not work with --reference-model (both models read the planned "
+                           "windows whole, and cached windows read only their new tokens); drop --kv-cache on")

@@ -6,7 +6,6 @@ import json
 import math
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -20,22 +19,22 @@ from .accel.batch_size import auto_batch_size, balanced_batch_size, scoring_memo
 from .accel.compile import allow_shapes, compile_score_fn
 from .accel.context_fit import explaining_ctx
 from .accel.warm_up import start_cuda_warm_up
-from .config import EvalConfig
+from .config import EvalConfig, check_ctx, check_one_process
 from .data.batching import batch_from_plan, make_batch
 from .data.corpus import Document, Fields, check_sources_distinct, corpus_documents, corpus_sha256
 from .data.packing import BatchPlan, plan_batches, split_rows
-from .data.protocols import CORPORA, PROTOCOLS, Protocol, read_protocol_corpus
+from .data.protocols import PROTOCOLS, Protocol, read_protocol_corpus
 from .data.streams import WindowPlan, plan_corpus, sliding_stride, with_decoded_text
 from .data.tokenize import (Tokenizer, check_ids_in_vocabulary, default_tokenizer_name, encode_documents,
                             load_tokenizer)
-from .distributed import Distributed, init_distributed, shard_plans, stop_all_on_failure
+from .distributed import init_distributed, shard_plans, stop_all_on_failure
 from .engine.cached_sliding import choose_kv_cache, score_cached_sliding
 from .engine.precision import resolve_device, resolve_dtype
 from .engine.score import DeviceSums, ScoreFn, score_batches, score_plans
 from .errors import FastpplError
 from .models import load_model
 from .models.loading import position_limit_note
-from .reference import add_divergence, check_reference_fits, check_reference_options, load_reference
+from .reference import add_divergence, check_reference_fits, load_reference, resolve_reference_device
 from .report.progress import Progress
 from .report.result import EvalResult, assemble_result
 from .stages import Batches, Corpus, Prepared, Run, Scored, Windows
@@ -50,7 +49,9 @@ def evaluate(config: EvalConfig) -> EvalResult:
     dist = init_distributed(config.device)
     device = dist.device if dist else resolve_device(config.device)
     run = Run(config, device, resolve_dtype(config.dtype, device), dist, started)
-    check_reference_options(config, dist is not None)
+    if dist:
+        check_one_process(config)   # the options were checked when config was built; these need one process
+    reference_device = resolve_reference_device(config, device)
     # overlaps the CUDA context's creation and Triton's first use with reading corpus, tokenizer and weights
     warm_ups = start_cuda_warm_up(device) if not dist else []
     documents, protocol, datasets_read = read_corpus(config)
@@ -60,12 +61,11 @@ def evaluate(config: EvalConfig) -> EvalResult:
     # tokenizing needs neither the model nor the GPU: it runs beside the weights' loading and the CUDA start
     encoding = InBackground(lambda: encode_texts(documents, tokenizer), "fastppl-tokenize")
     model = load_model(config.model, config.backend, run.dtype, config.seed, device)
-    reference = load_reference(config, run.dtype, device, model, tokenizer)   # None unless --reference-model
+    reference = load_reference(config, run.dtype, reference_device, model, tokenizer)   # None unless --reference-model
     run.stage_done("load_model")
     ctx = check_model_fits(config, tokenizer, model)
     check_reference_fits(config, reference, ctx)
     use_kv_cache, kv_cache_reason = choose_kv_cache(config.kv_cache, config.window, model)
-    check_run_options(config, dist, use_kv_cache)   # before any work: after the batch-size probe they came late
     documents, tokens = tokenize(documents, tokenizer, model, encoding.result())
     run.stage_seconds["tokenize"] = encoding.seconds   # on its own thread, beside load_model and this wait
     run.stage_done("wait_for_tokenize")
@@ -100,10 +100,6 @@ def evaluate(config: EvalConfig) -> EvalResult:
 def read_corpus(config: EvalConfig) -> tuple[list[Document], Optional[Protocol], list[dict]]:
     """The documents to score, the protocol that prepared them (with its corpus' rules), and the datasets read."""
     if config.protocol is None:
-        named = [s for s in config.data if s in CORPORA and not Path(s).exists()]
-        if named:
-            raise FastpplError(f"--data {named[0]} is a corpus of --protocol "
-                               f"{' or '.join(CORPORA[named[0]].protocols)}; add --protocol gptq")
         fields = Fields(config.text_field, config.id_field, config.group_by)
         return corpus_documents(config.data, config.split, config.data_dir, config.errors, fields), None, []
     check_sources_distinct(config.data)
@@ -112,7 +108,9 @@ def read_corpus(config: EvalConfig) -> tuple[list[Document], Optional[Protocol],
 
 
 def check_model_fits(config: EvalConfig, tokenizer: Tokenizer, model: nn.Module) -> int:
-    """The context the run uses, after checking the tokenizer, --ctx and --stride against the model."""
+    """The context the run uses, after checking the tokenizer and --ctx against the model, and the options that
+    depend on the context against the model's maximum when no --ctx was given (EvalConfig checked them with
+    --ctx)."""
     if tokenizer.vocab_size > model.vocab_size:
         raise FastpplError(
             f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size:,} ids but the model's vocabulary has "
@@ -122,23 +120,9 @@ def check_model_fits(config: EvalConfig, tokenizer: Tokenizer, model: nn.Module)
     if ctx > model.max_positions:
         raise FastpplError(f"--ctx {ctx} exceeds the model's maximum of {model.max_positions} positions"
                            f"{position_limit_note(model)}; lower --ctx")
-    stride = config.stride
-    if config.window == "sliding" and stride is not None and not 1 <= stride <= ctx:
-        raise FastpplError(f"--stride must be between 1 and --ctx ({ctx}), got {stride}")
+    if config.ctx is None:
+        check_ctx(config, ctx)
     return ctx
-
-
-def check_run_options(config: EvalConfig, dist: Optional[Distributed], use_kv_cache: bool) -> None:
-    """Options that do not go together, refused before any work."""
-    if dist and (use_kv_cache or config.resume):
-        flag = "--resume" if config.resume else "--kv-cache on"
-        raise FastpplError(f"{flag} runs in one process only; drop it or run without --nproc / torchrun")
-    if use_kv_cache and config.batching != "auto":   # it would be ignored: the cached path makes its own rows
-        raise FastpplError(f"--batching {config.batching} does not apply with --kv-cache on, which scores a row per "
-                           "document; drop one of them")
-    if use_kv_cache and config.resume:
-        # the cached path scores documents row by row, not in the planned batches that checkpoints count
-        raise FastpplError("--resume does not work with --kv-cache on; drop one of them")
 
 
 # arguments that may differ between ranks: paths, whose contents are compared instead, and what rank 0 alone writes
@@ -263,6 +247,8 @@ def resume_fingerprint(run: Run, corpus: Corpus, acceleration: Acceleration, bat
         config.to_dict(), resolved, corpus_sha256=corpus.digest, document_ids_sha256=document_ids_sha256(documents),
         tokenizer_fingerprint=tokenizer.fingerprint, model_files=model_files(config.model), windows=len(plan.refs),
         fastppl=__version__,
+        # a reference model's files, as the model's: other weights at the same path are another run
+        **({"reference_model_files": model_files(config.reference_model)} if config.reference_model else {}),
     )
 
 

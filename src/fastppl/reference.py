@@ -25,24 +25,15 @@ if TYPE_CHECKING:
     from .report.result import EvalResult
 
 
-def check_reference_options(config: EvalConfig, distributed: bool) -> None:
-    """Options a divergence run does not take, refused before anything is loaded."""
-    if config.reference_model is None:
-        for flag, given in (("--reference-seed", config.reference_seed),
-                            ("--reference-device", config.reference_device)):
-            if given is not None:
-                raise FastpplError(f"{flag} applies with --reference-model only; add --reference-model or drop it")
-        return
-    if config.reference_device is not None and distributed:
-        raise FastpplError("--reference-device runs in one process only; drop it or run without --nproc / torchrun")
-    if not config.reference_model.strip():
-        raise FastpplError("--reference-model is empty; give a checkpoint directory, a hub id or random:<preset>")
-    refused = {"--loss fused": config.loss == "fused", "--kv-cache on": config.kv_cache == "on",
-               "--resume": config.resume is not None}
-    for flag, given in refused.items():
-        if given:
-            raise FastpplError(f"{flag} does not work with --reference-model (both models' divergence runs its own "
-                               f"chunked kernel over every position); drop {flag}")
+def resolve_reference_device(config: EvalConfig, device: torch.device) -> torch.device:
+    """Where the reference model runs: --reference-device, else the run's device; resolved (and a bad one refused)
+    before anything is read or loaded."""
+    if config.reference_device is None:
+        return device
+    try:
+        return resolve_device(config.reference_device)
+    except FastpplError as error:   # its message names --device
+        raise FastpplError(str(error).replace("--device", "--reference-device")) from None
 
 
 # files whose presence makes a directory a tokenizer's (a checkpoint of weights alone holds none)
@@ -83,11 +74,6 @@ def load_reference(config: EvalConfig, dtype: torch.dtype, device: torch.device,
     if config.reference_model is None:
         return None
     seed = config.seed if config.reference_seed is None else config.reference_seed
-    if config.reference_device is not None:
-        try:
-            device = resolve_device(config.reference_device)
-        except FastpplError as error:   # its message names --device
-            raise FastpplError(str(error).replace("--device", "--reference-device")) from None
     reference = load_model(config.reference_model, config.backend, dtype, seed, device).to(device)
     if reference.vocab_size != model.vocab_size:
         raise FastpplError(

@@ -174,8 +174,9 @@ class Checkpointer:
                 raise unreadable
             restored[name] = stored
         # a loss that is NaN or infinite never becomes finite again: refused now, not after scoring the rest
-        # (per_token is NaN where unscored)
-        if not all(np.isfinite(stored).all() for name, stored in restored.items() if name != "per_token"):
+        # (per_token and a divergence run's per-token columns are NaN where unscored)
+        if not all(np.isfinite(stored).all() for name, stored in restored.items()
+                   if name not in ("per_token", "divergence")):
             raise FastpplError(f"{self.path}: its sums are not finite (NaN or infinity): the run it saved had a "
                                "non-finite loss, or the file is damaged; delete it to start over")
         for name, stored in restored.items():   # only once all are known good: no half-restored sums

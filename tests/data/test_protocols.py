@@ -228,17 +228,16 @@ def test_corpus_errors(tmp_path, tokenizer_dir, data_dir):
     with pytest.raises(FastpplError, match="scores one text"):
         plan_of("llama.cpp", [pages], tokenizer_dir, 16)
     with pytest.raises(FastpplError, match="is a corpus of --protocol gptq or hf-guide"):
-        plan_of("lm-eval-rolling", ["wikitext2"], tokenizer_dir, 16, data_dir=data_dir)
+        EvalConfig(model="m", data=["wikitext2"], protocol="lm-eval-rolling")
     (tmp_path / "c4-validation.00000-of-00008.json.gz").write_bytes(b"cut short")
     with pytest.raises(FastpplError, match="is not a whole gzip file"):
         plan_of("gptq", ["c4"], tokenizer_dir, 16, data_dir=tmp_path)
     with pytest.raises(FastpplError, match="no wiki.test.raw in"):
         plan_of("gptq", ["wikitext2"], tokenizer_dir, 16, data_dir=tmp_path)
-    from fastppl.pipeline import read_corpus
     with pytest.raises(FastpplError, match="--data c4 is a corpus of --protocol gptq, read alone"):
-        plan_of("hf-guide", ["c4"], tokenizer_dir, 16, data_dir=data_dir)
+        EvalConfig(model="m", data=["c4"], protocol="hf-guide")
     with pytest.raises(FastpplError, match="--data c4 is a corpus of --protocol gptq; add --protocol"):
-        read_corpus(EvalConfig(model="m", data=["c4"]))
+        EvalConfig(model="m", data=["c4"])
 
 
 def test_presets_of_todays_windows_are_those_windows(tmp_path, tokenizer_dir, shakespeare):

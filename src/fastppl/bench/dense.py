@@ -154,15 +154,15 @@ def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_le
         raise FastpplError(f"bench takes a random:<preset> model, got {model_spec!r}")
     # drawn on the device (milliseconds, not seconds, for 1B weights), kept on the CPU in fp32 as the
     # master copy, so that each peer's peak memory holds its own weights only
+    unknown = [p for p in peers or () if p not in PEERS]   # before the weights: a gpt2-xl takes many seconds
+    if unknown:
+        raise FastpplError(f"unknown --peers {', '.join(unknown)}; use a subset of {','.join(PEERS)}")
+    loss = resolve_loss(loss, device)   # refused before the weights are drawn and any timing
     native = random_native(model_spec[len(RANDOM_PREFIX):], 0, device).to("cpu")
     default_seq, default_batch, default_peers = DEFAULTS["llama" if isinstance(native, Llama) else "gpt2"]
     seq_len, batch_size, peers = seq_len or default_seq, batch_size or default_batch, peers or default_peers
-    unknown = [p for p in peers if p not in PEERS]
-    if unknown:
-        raise FastpplError(f"unknown --peers {', '.join(unknown)}; use a subset of {','.join(PEERS)}")
     if seq_len > native.max_positions:
         raise FastpplError(f"--seq {seq_len} exceeds the model's {native.max_positions} positions")
-    loss = resolve_loss(loss, device)   # refused before any timing
     n_rows = max(batch_size, n_tokens // seq_len // batch_size * batch_size)
     if n_rows * seq_len != n_tokens:
         log(f"--tokens {n_tokens:,} runs as {n_rows * seq_len:,}: whole batches of {batch_size} rows of {seq_len}")

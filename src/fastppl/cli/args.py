@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 
-from ..errors import FastpplError
 
 # the random:PRESET shapes, as in fastppl.models.gpt2.PRESETS and fastppl.models.llama.PRESETS (those modules
 # import torch, which the parser must not); tests/cli/test_help.py keeps the three lists equal
@@ -61,13 +60,11 @@ def seed(value: str) -> int:
     return number
 
 
-def check_model_given(model: str, tokenizer: str | None) -> None:
-    """--model and --tokenizer as given to eval and generate, checked before the tokenizer is loaded."""
-    # else the tokenizer, loaded first from the model's name, would report these obscurely
-    if not model.strip():
-        raise FastpplError("--model is empty; give a checkpoint directory, a hub id or random:<preset>")
-    if tokenizer is not None and not tokenizer.strip():   # else it would read as no --tokenizer, silently
-        raise FastpplError("--tokenizer is empty; give a tokenizer directory or hub id, or leave it out")
+def check_model_given(spec: str, flag: str = "--model") -> None:
+    """--model (or --reference-model) as given, checked before the tokenizer is loaded from its name, which would
+    report a bad name obscurely."""
+    from ..config import check_model_spec
+    check_model_spec(spec, flag)
     from ..models.loading import check_random_preset, local_checkpoint_dir
-    check_random_preset(model)
-    local_checkpoint_dir(model)
+    check_random_preset(spec)
+    local_checkpoint_dir(spec, flag)

@@ -6,8 +6,7 @@ from pathlib import Path
 
 from ..config import MIN_BOOTSTRAP, PROTOCOL_WINDOWS
 from ..errors import FastpplError, no_such
-from .args import (DEVICE_HELP, FLAG_OFF, MODEL_HELP, TOKENIZER_HELP, at_least, batch_size, check_model_given,
-                   seed)
+from .args import DEVICE_HELP, FLAG_OFF, MODEL_HELP, TOKENIZER_HELP, at_least, batch_size, check_model_given, seed
 
 DESCRIPTION = ("NLL, perplexity and bits per byte of a model over a corpus. "
                "Example: fastppl eval --model gpt2 --data tinyshakespeare --split val")
@@ -129,39 +128,26 @@ def _add_output_arguments(p) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    check_model_given(args.model, args.tokenizer)
-    if args.reference_model is not None:
-        if not args.reference_model.strip():
-            raise FastpplError("--reference-model is empty; give a checkpoint directory, a hub id or random:<preset>")
-        check_model_given(args.reference_model, None)
-    if args.resume is not None and not args.resume.strip():   # else it would read as no --resume, silently
-        raise FastpplError("--resume: empty path; give a directory for the checkpoint or leave --resume out")
-    if args.resume is None and (args.checkpoint_seconds is not None or args.checkpoint_batches is not None):
-        raise FastpplError("--checkpoint-seconds and --checkpoint-batches apply with --resume only; add --resume DIR")
-    for flag, given in (("--text-field", args.text_field), ("--id-field", args.id_field),
-                        ("--group-by", args.group_by)):
-        if given is not None and not any(s.startswith("hf:") or Path(s).suffix == ".jsonl" for s in args.data):
-            raise FastpplError(f"{flag} applies to .jsonl files and hf: datasets, and no --data is one; drop it")
-    if args.protocol and (args.id_field is not None or args.group_by is not None):
-        raise FastpplError("--id-field and --group-by apply without --protocol (a protocol fixes how its corpus is "
-                           "read); drop them or --protocol")
+    """The EvalConfig of the arguments: its construction checks every option and combination of them; here the
+    model and tokenizer names are checked too (they are read first, from the model's name)."""
     from ..config import EvalConfig
-    from ..data.protocols import PROTOCOLS
-    default_field = PROTOCOLS[args.protocol].text_field if args.protocol else "text"
-    return EvalConfig(
-        model=args.model, data=args.data, tokenizer=args.tokenizer, split=args.split,
-        text_field=default_field if args.text_field is None else args.text_field, id_field=args.id_field,
-        group_by=args.group_by, data_dir=args.data_dir, bootstrap=args.bootstrap, bootstrap_seed=args.bootstrap_seed,
-        errors=args.errors, window=args.window, protocol=args.protocol,
+    config = EvalConfig(
+        model=args.model, data=args.data, tokenizer=args.tokenizer, split=args.split, text_field=args.text_field,
+        id_field=args.id_field, group_by=args.group_by, data_dir=args.data_dir, bootstrap=args.bootstrap,
+        bootstrap_seed=args.bootstrap_seed, errors=args.errors, window=args.window, protocol=args.protocol,
         ctx=args.ctx, stride=args.stride, bos=args.bos, batch_size=args.batch_size, device=args.device,
         dtype=args.dtype, backend=args.backend, compile=args.compile, loss=args.loss, kv_cache=args.kv_cache,
         loss_chunk_rows=args.loss_chunk_rows, tune_products=args.tune_products,
         seed=args.seed, per_token=args.per_token, quiet=args.quiet,
         batching=args.batching, per_doc=args.per_doc, resume=args.resume,
-        checkpoint_seconds=60.0 if args.checkpoint_seconds is None else args.checkpoint_seconds,
-        checkpoint_batches=args.checkpoint_batches, reference_model=args.reference_model,
-        reference_seed=args.reference_seed, reference_device=args.reference_device,
+        checkpoint_seconds=args.checkpoint_seconds, checkpoint_batches=args.checkpoint_batches,
+        reference_model=args.reference_model, reference_seed=args.reference_seed,
+        reference_device=args.reference_device,
     )
+    check_model_given(args.model, "--model")
+    if args.reference_model is not None:
+        check_model_given(args.reference_model, "--reference-model")
+    return config
 
 
 def check_outputs(args: argparse.Namespace) -> None:
@@ -180,6 +166,8 @@ def check_outputs(args: argparse.Namespace) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    if args.nproc is not None and args.nproc < 1:
+        raise FastpplError(f"--nproc must be at least 1, got {args.nproc}")
     if args.nproc is not None and args.nproc != 1:
         return _check_and_relaunch(args)
     from ..distributed import init_distributed, is_main_process, stop_all_on_failure
@@ -223,11 +211,8 @@ def run_eval(args: argparse.Namespace) -> int:
 def _check_and_relaunch(args: argparse.Namespace) -> int:
     """--nproc N: a bad option, output path or --data path fails here, once, not in every rank under torchrun's
     traceback; then the command runs again under torchrun."""
-    config_from_args(args)
-    for flag, given in (("--resume", args.resume is not None), ("--kv-cache on", args.kv_cache == "on"),
-                        ("--reference-device", args.reference_device is not None)):
-        if given:   # each rank would refuse it (pipeline.check_run_options), after starting torchrun
-            raise FastpplError(f"{flag} runs in one process only; drop it or run without --nproc / torchrun")
+    from ..config import check_one_process
+    check_one_process(config_from_args(args))
     check_outputs(args)
     from ..data.corpus import BUILTINS
     from ..data.protocols import CORPORA
@@ -240,6 +225,4 @@ def _check_and_relaunch(args: argparse.Namespace) -> int:
 def _relaunch(args: argparse.Namespace) -> int:
     """The seam where the command is run again under torchrun (tests replace it)."""
     from ..distributed import relaunch_under_torchrun
-    if args.nproc < 1:
-        raise FastpplError(f"--nproc must be at least 1, got {args.nproc}")
     return relaunch_under_torchrun(args.nproc, args.argv)

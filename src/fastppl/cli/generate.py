@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..config import check_model_spec
 from ..errors import FastpplError
 from .args import DEVICE_HELP, DTYPE_HELP, MODEL_HELP, TOKENIZER_HELP, check_model_given, seed
 
@@ -56,7 +57,8 @@ def run_generate(args: argparse.Namespace) -> int:
     check_distinct_outputs({"--json": args.json}, inputs=inputs)
     if args.json:
         check_writable(args.json, "--json")
-    check_model_given(args.model, args.tokenizer)
+    check_model_spec(args.tokenizer, "--tokenizer")
+    check_model_given(args.model)
     _check_sampling(args)
     given = args.prompt or []
     for prompt in given:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from ..config import PROTOCOL_WINDOWS
+from ..config import CORPUS_PROTOCOLS, PROTOCOL_TEXT_FIELDS, PROTOCOL_WINDOWS
 from ..errors import FastpplError
 from .corpus import (HF_PREFIX, Document, Fields, decode_utf8, jsonl_documents, load_documents, parse_hf_source,
                      read_bytes)
@@ -42,12 +42,16 @@ class Protocol:
     min_blocks: int = 1               # blocks: a text of fewer than min_blocks * ctx tokens is refused
     max_blocks: Optional[int] = None  # blocks: at most this many (set by a named corpus)
     detokenize: bool = False          # lm-eval's wikitext detokenizer on the scored text
-    text_field: str = "text"          # the default --text-field
 
     @property
     def window(self) -> str:
         """chunked | sliding | blocks (fastppl.data.windows): the one table of them is config.PROTOCOL_WINDOWS."""
         return PROTOCOL_WINDOWS[self.name]
+
+    @property
+    def text_field(self) -> str:
+        """The default --text-field (config.PROTOCOL_TEXT_FIELDS)."""
+        return PROTOCOL_TEXT_FIELDS.get(self.name, "text")
 
 
 PROTOCOLS = {p.name: p for p in (
@@ -58,8 +62,7 @@ PROTOCOLS = {p.name: p for p in (
              tokenizer_bos=True),
     Protocol("llama.cpp", "llama.cpp tools/perplexity/perplexity.cpp perplexity()", one_text=True,
              tokenizer_bos=True, bos_each_block=True, score_second_half=True, min_blocks=2),
-    Protocol("lm-eval-wikitext", "lm-evaluation-harness lm_eval/tasks/wikitext", detokenize=True,
-             text_field="page"),
+    Protocol("lm-eval-wikitext", "lm-evaluation-harness lm_eval/tasks/wikitext", detokenize=True),
 )}
 
 
@@ -73,7 +76,7 @@ class NamedCorpus:
     data_files: Optional[dict]
     local_files: tuple[str, ...]      # the dataset's own file names, looked for in the data directory
     join: str                         # rows joined by this
-    protocols: tuple[str, ...]        # the protocols that read it
+    protocols: tuple[str, ...]        # the protocols that read it (config.CORPUS_PROTOCOLS)
     max_rows: Optional[int] = None    # the first rows only
     max_blocks: Optional[int] = None  # the first max_blocks * ctx tokens only
 
@@ -81,11 +84,11 @@ class NamedCorpus:
 CORPORA = {
     # datautils.get_wikitext2's test text
     "wikitext2": NamedCorpus("wikitext", "wikitext-2-raw-v1", "test", None, ("wiki.test.raw",), "\n\n",
-                             ("gptq", "hf-guide")),
+                             CORPUS_PROTOCOLS["wikitext2"]),
     # datautils.get_c4_new's validation text: the first 1,100 documents of the first shard, the first 256 blocks
     "c4": NamedCorpus("allenai/c4", None, "validation", {"validation": "en/c4-validation.00000-of-00008.json.gz"},
                       ("c4-validation.00000-of-00008.json.gz", "c4-validation.00000-of-00008.json"), " ",
-                      ("gptq",), max_rows=1100, max_blocks=256),
+                      CORPUS_PROTOCOLS["c4"], max_rows=1100, max_blocks=256),
 }
 
 
@@ -134,12 +137,7 @@ def read_named_corpus(name: str, data_dir: Optional[str], errors: str) -> tuple[
 def read_protocol_corpus(protocol: Protocol, sources: list[str], split: str, text_field: str,
                          data_dir: Optional[str], errors: str) -> tuple[list[Document], Protocol, list[dict]]:
     """The documents a protocol scores, the protocol with its corpus' rules, and the datasets read."""
-    named = [s for s in sources if s in CORPORA]
-    if named and (protocol.name not in CORPORA[named[0]].protocols or len(sources) > 1):
-        raise FastpplError(f"--data {named[0]} is a corpus of --protocol {' or '.join(CORPORA[named[0]].protocols)}, "
-                           "read alone; use that protocol and no other --data")
-    if named and split != "all":
-        raise FastpplError(f"--split {split} applies to a single text; use --split all with --data {named[0]}")
+    named = [s for s in sources if s in CORPORA]   # alone, of this protocol: EvalConfig checked it
     if named:
         rows, record = read_named_corpus(named[0], data_dir, errors)
         corpus = CORPORA[named[0]]

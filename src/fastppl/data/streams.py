@@ -9,6 +9,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..config import PROTOCOL_MIN_CTX
 from ..errors import FastpplError
 from .batching import WindowRef
 from .corpus import Document
@@ -63,15 +64,16 @@ def plan_windows(window: str, stride: Optional[int], streams: list[Stream], ctx:
 
 def check_blocks(protocol: Protocol, streams: list[Stream], ctx: int) -> None:
     """A blocks protocol's one text holds at least min_blocks blocks of ctx tokens (llama-perplexity refuses
-    fewer than two), and a block scores something."""
-    if protocol.score_second_half and ctx < 3:
-        raise FastpplError(f"--protocol {protocol.name} scores positions from ctx/2 to ctx-2, none with --ctx {ctx}; "
-                           "use --ctx 3 or more")
+    fewer than two). (That a block scores something at all, EvalConfig checks: config.PROTOCOL_MIN_CTX.)"""
     n_stream = sum(len(s.ids) for s in streams)
     if n_stream < protocol.min_blocks * ctx:
-        what = "one block" if protocol.min_blocks == 1 else f"{protocol.min_blocks} x --ctx = {protocol.min_blocks * ctx}"
+        what = (f"one block of --ctx = {ctx}" if protocol.min_blocks == 1
+                else f"{protocol.min_blocks} x --ctx = {protocol.min_blocks * ctx}")
+        fits = n_stream // protocol.min_blocks   # the largest --ctx that the text fills
+        fix = (f"lower --ctx to {fits} or less, or pass a longer text" if fits >= PROTOCOL_MIN_CTX.get(protocol.name, 2)
+               else "pass a longer text")
         raise FastpplError(f"--protocol {protocol.name} needs at least {what} tokens, and the text has {n_stream}; "
-                           "lower --ctx or pass a longer text")
+                           f"{fix}")
 
 
 def with_bos_each_block(stream: Stream, ctx: int, bos_id: int) -> Stream:

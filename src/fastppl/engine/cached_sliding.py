@@ -63,8 +63,7 @@ def choose_kv_cache(setting: str, window: str, model: nn.Module) -> tuple[bool, 
             return False, ("off (auto: cached windows carry context from before the window from layer 1 on, "
                            "so they are not the exact sliding window; --kv-cache on opts in)")
         return False, "off (auto)"
-    if window != "sliding":
-        raise FastpplError("--kv-cache on applies to --window sliding only (chunked windows share no tokens)")
+    assert window == "sliding", "EvalConfig refuses --kv-cache on with other windows"
     if not is_rotary(model):
         from ..models.gpt2 import GPT2
         why = ("with absolute position embeddings (GPT-2) cached tokens cannot move to their new window positions"

@@ -86,8 +86,8 @@ def position_limit_note(model: nn.Module) -> str:
     return ""
 
 
-def local_checkpoint_dir(spec: str) -> Optional[Path]:
-    """The directory --model names, or None for a hub id; a file, or a path to nothing, is an error."""
+def local_checkpoint_dir(spec: str, flag: str = "--model") -> Optional[Path]:
+    """The directory --model (or flag) names, or None for a hub id; a file, or a path to nothing, is an error."""
     path = Path(spec).expanduser()
     if path.is_dir():
         return path
@@ -96,9 +96,9 @@ def local_checkpoint_dir(spec: str) -> Optional[Path]:
             open_gguf(spec)
         return None
     if path.exists():
-        raise FastpplError(f"{spec}: is a file; --model takes a checkpoint directory (config.json + weights)")
+        raise FastpplError(f"{spec}: is a file; {flag} takes a checkpoint directory (config.json + weights)")
     if is_path_like(spec) or is_link_loop(spec):
-        raise FastpplError(f"{spec}: {no_such(spec, 'model directory')}; check --model")
+        raise FastpplError(f"{spec}: {no_such(spec, 'model directory')}; check {flag}")
     return None
 
 
