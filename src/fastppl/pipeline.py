@@ -18,7 +18,7 @@ from . import __version__
 from .accel.apply import (Acceleration, apply_fusions, choose_acceleration, choose_tuning,
                           divergence_score_fn_for, score_fn_for, tuned_products)
 from .accel.batch_size import auto_batch_size, balanced_batch_size, scoring_memory_bound
-from .accel.compile import allow_shapes, compile_score_fn
+from .accel.compile import allow_shapes, compile_score_fn, finish_compiled_run
 from .accel.warm_up import start_cuda_warm_up
 from .config import EvalConfig
 from .data.batching import batch_from_plan, make_batch
@@ -111,6 +111,8 @@ def evaluate(config: EvalConfig) -> dict:
     scored = score(run, model, plan, acceleration, score_fn, batches, ctx, use_kv_cache,
                    resume_fingerprint(run, documents, corpus_digest, tokenizer, acceleration, batches, plan, ctx))
     run.stage_seconds["scoring"] = scored.seconds
+    # how long compiling took (within scoring) and whether its code came from the cache (accel/compile_cache.py)
+    acceleration.compile_reason += finish_compiled_run(score_fn, run.stage_seconds)
     result = assemble_result(config, run.device, run.dtype, documents, corpus_digest, tokens, tokenizer, model, plan,
                              acceleration, scored, ctx=ctx, kv_cache=kv_cache_reason, use_kv_cache=use_kv_cache,
                              stage_seconds=run.stage_seconds, started=started,
