@@ -108,12 +108,11 @@ def save_artifacts(key: str) -> None:
         warn(f"could not save the compile cache ({type(error).__name__}: {str(error)[:200]})")
 
 
-def _cache_counts() -> tuple[int, int]:
-    """(hits, misses) of Inductor's FX graph cache and AOTAutograd's cache so far in this process."""
+def _cache_counts() -> tuple[int, int, int]:
+    """(hits, misses, bypasses) of Inductor's FX graph cache and AOTAutograd's cache so far in this process."""
     from torch._dynamo.utils import counters
-    hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
-    misses = counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"]
-    return hits, misses
+    return tuple(counters["inductor"][f"fxgraph_cache_{what}"] + counters["aot_autograd"][f"autograd_cache_{what}"]
+                 for what in ("hit", "miss", "bypass"))
 
 
 def _graphs_compiled() -> int:
@@ -130,6 +129,7 @@ class CompileRecord:
     graphs: int = 0
     hits: int = 0
     misses: int = 0
+    bypasses: int = 0
 
     def timed_call(self, fn, *args):
         graphs, counts, started = _graphs_compiled(), _cache_counts(), time.perf_counter()
@@ -137,8 +137,8 @@ class CompileRecord:
         if _graphs_compiled() != graphs:   # this call compiled: its time is the compile's (and one batch's launch)
             self.seconds += time.perf_counter() - started
             self.graphs += _graphs_compiled() - graphs
-            hits, misses = _cache_counts()
-            self.hits, self.misses = self.hits + hits - counts[0], self.misses + misses - counts[1]
+            hits, misses, bypasses = (now - before for now, before in zip(_cache_counts(), counts))
+            self.hits, self.misses, self.bypasses = self.hits + hits, self.misses + misses, self.bypasses + bypasses
         return out
 
     def source(self) -> str:
@@ -146,7 +146,9 @@ class CompileRecord:
             return "nothing compiled"
         if self.hits and not self.misses:
             return "from the cache"
-        return "partly from the cache" if self.hits else "compiled afresh"
+        if self.hits:
+            return "partly from the cache"
+        return "compiled afresh" if self.misses or not self.bypasses else "compiled afresh (not cacheable)"
 
     def note(self) -> str:
         damaged = ", its cache file damaged" if self.artifacts == "damaged" else ""
