@@ -1,5 +1,5 @@
 """The maintained benchmark scripts under benchmarks/ run: each with tiny CPU arguments in its own process (all four
-at once), exits 0 and prints its table."""
+at once), exits 0 and prints its table; gpu_check.py's pytest stage and its --quick run."""
 import importlib.util
 import json
 import os
