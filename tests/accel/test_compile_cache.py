@@ -40,7 +40,7 @@ def _valid_header(payload: bytes) -> bytes:
     (b"\x00\x01 not an artifacts file", "not a fastppl artifacts file"),
     (compile_cache.FORMAT + b"0" * 64 + b"payload", "do not match their digest"),
     (_valid_header(b"bytes torch cannot read"), "torch could not read it"),
-])
+], ids=["not-an-artifacts-file", "digest-mismatch", "torch-refuses"])
 def test_a_damaged_artifacts_file_is_one_warning_line_and_removed(contents, why, capfd):
     key = "tiny-chunked-0123"
     path = compile_cache.artifacts_path(key)
