@@ -10,7 +10,8 @@ scale.
 
 The model is random:PRESET with seed 0, the reference the same shape with --reference-seed (other weights: the
 work, memory and time are those of any two models of the shape). Each variant reports tokens/s over its scoring
-(both runs for the peer, the disk writes and reads included), its peak memory, its mean KLD and what it stored.
+(both runs for the peer, the disk writes and reads included), its peak memory, its mean KLD and what it stored;
+every variant runs once untimed before any is timed, so that none pays the process' warm-up.
 The peer runs each model eagerly on fastppl's padded batches of the same windows, with fastppl's models. The
 tokenizer and corpus default to ../shared/data beside the checkout (or FASTPPL_SHARED_DATA), as the tests'."""
 from __future__ import annotations
@@ -151,11 +152,16 @@ def main(argv=None) -> int:
                                                              "the peer runs the divergence run's")
     parser.add_argument("--logits-dir", help="where the peer writes its log-probabilities (default: the system's "
                                              "temporary folder)")
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="time each variant's first run (by default every variant runs once untimed first)")
     args = parser.parse_args(argv)
     args.batch_size = args.batch_size if args.batch_size == "auto" else int(args.batch_size)
-    single = fastppl_run(args, reference=False)
-    together = fastppl_run(args, reference=True)
-    peer = peer_run(args, together["batch_size"])
+    # every variant once before any is timed: the first run of a process pays for CUDA's start, cuBLAS's handles
+    # and Triton's compiles (the single model, timed first, ran at a tenth of its speed)
+    for _ in range(1 if args.no_warmup else 2):
+        single = fastppl_run(args, reference=False)
+        together = fastppl_run(args, reference=True)
+        peer = peer_run(args, together["batch_size"])
     print(f"random:{args.model} against seed {args.reference_seed}, {Path(args.data).name} ({args.split}), "
           f"ctx {args.ctx}, device {resolve_device(args.device)}\n")
     print(table({"fastppl eval (model alone)": single, "fastppl eval --reference-model": together,

@@ -16,7 +16,7 @@ from . import __version__
 from .accel.apply import (Acceleration, apply_fusions, choose_acceleration, choose_tuning,
                           divergence_score_fn_for, score_fn_for, tuned_products)
 from .accel.batch_size import auto_batch_size, balanced_batch_size, scoring_memory_bound
-from .accel.compile import allow_shapes, compile_score_fn
+from .accel.compile import allow_shapes, compile_score_fn, finish_compiled_run
 from .accel.context_fit import explaining_ctx
 from .accel.warm_up import start_cuda_warm_up
 from .config import EvalConfig, check_ctx, check_one_process
@@ -93,6 +93,8 @@ def evaluate(config: EvalConfig) -> EvalResult:
     scored = explaining_ctx(lambda: score(run, prepared.model, plan, prepared.acceleration, prepared.score_fn,
                                           batches, ctx, use_kv_cache, fingerprint), **ctx_fit)
     run.stage_seconds["scoring"] = scored.seconds
+    # how long compiling took (within scoring) and whether its code came from the cache (accel/compile_cache.py)
+    prepared.acceleration.compile_reason += finish_compiled_run(prepared.score_fn, run.stage_seconds)
     result = assemble_result(run, corpus, windows, prepared, scored)
     return result if reference is None else add_divergence(result, config, scored.sums)
 

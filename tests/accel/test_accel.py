@@ -229,7 +229,7 @@ def test_bench_says_when_tokens_are_rounded_to_whole_batches(tmp_path, capsys):
 def test_bench_compile_on_compiles_fastppls_row_and_agrees_with_eager(tmp_path, monkeypatch):
     import fastppl.accel.apply as compile_module   # where eval and bench compile
     compiled, real = [], compile_module.compile_score_fn
-    monkeypatch.setattr(compile_module, "compile_score_fn", lambda fn: compiled.append(fn) or real(fn))
+    monkeypatch.setattr(compile_module, "compile_score_fn", lambda fn, *key: compiled.append(fn) or real(fn, *key))
     reports = {}
     for setting in ("off", "on"):
         out = tmp_path / f"bench-{setting}.json"

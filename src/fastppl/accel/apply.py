@@ -18,7 +18,7 @@ from ..engine.loss import resolve_loss
 from ..engine.score import ScoreFn, make_score_fn
 from ..errors import FastpplError
 from ..models.attention import varlen_available
-from . import cublaslt, linear
+from . import compile_cache, cublaslt, linear
 from .compile import compile_score_fn, model_family, use_compile
 from .fused_mlp import fuse_mlp_epilogue, unfuse_mlp_epilogue
 
@@ -46,8 +46,10 @@ def choose_acceleration(model: nn.Module, device: torch.device, dtype: torch.dty
     """The loss, compile and batching choices for a run scoring n_scored of the n_positions it reads, over
     n_documents documents with something to score (each setting as its flag: auto, or what it names)."""
     loss = resolve_loss(loss, device)
+    warm = compile == "auto" and device.type == "cuda" and compile_cache.has_artifacts(
+        compile_cache.cache_key(model, loss))
     compiled, compile_reason = use_compile(compile, device, n_scored, loss, model_family(model),
-                                           scored_share=n_scored / n_positions)
+                                           scored_share=n_scored / n_positions, warm_cache=warm)
     # asked only where auto could pack: its first call imports torch's varlen module (0.3 s on the H200)
     varlen = n_documents > 1 and varlen_available(device, dtype)
     batching, batching_reason = resolve_batching(batching, n_documents, takes_document_ids(model), varlen, compiled)
@@ -80,7 +82,8 @@ def apply_fusions(model: nn.Module, device: torch.device, acceleration: Accelera
 def score_fn_for(model: nn.Module, acceleration: Acceleration, chunk_rows: int = 8192) -> ScoreFn:
     """The scoring function of the chosen loss, compiled when the run compiles."""
     score_fn = make_score_fn(model, chunk_rows, acceleration.loss)
-    return compile_score_fn(score_fn) if acceleration.compiled else score_fn
+    return compile_score_fn(score_fn, compile_cache.cache_key(model, acceleration.loss)) if acceleration.compiled \
+        else score_fn
 
 
 def choose_tuning(setting: str, model: nn.Module, device: torch.device, dtype: torch.dtype, compiled: bool,
@@ -130,4 +133,6 @@ def divergence_score_fn_for(model: nn.Module, reference: nn.Module, acceleration
     if reference_fusions.mlp_epilogue != acceleration.mlp_epilogue:   # a report line for the model under test
         acceleration = dataclasses.replace(acceleration, mlp_epilogue=acceleration.mlp_epilogue + " (model only)")
     score_fn = make_divergence_score_fn(model, reference, chunk_rows)
-    return acceleration, compile_score_fn(score_fn) if acceleration.compiled else score_fn
+    if acceleration.compiled:
+        score_fn = compile_score_fn(score_fn, compile_cache.cache_key(model, "divergence", reference))
+    return acceleration, score_fn

@@ -1,11 +1,11 @@
-"""torch.compile applied to the scoring function, with Inductor's caches kept under fastppl's cache dir."""
+"""torch.compile applied to the scoring function, with its caches kept under fastppl's cache dir (compile_cache)."""
 from __future__ import annotations
 
-import os
+from typing import Optional
 
 import torch
 
-from ..config import cache_dir
+from . import compile_cache
 
 # Below this many scored tokens a cold compile costs more than it saves: compile seconds divided by the
 # seconds per token it saves. Measured on the H200 with an eager scorer slower than the current one, so these thresholds
@@ -17,6 +17,11 @@ from ..config import cache_dir
 #   fused 158 k -> 212 k tokens/s for 9 s, chunked 146 k -> 216 k for 11 s: repaid after ~5.6 M tokens.
 COMPILE_MIN_TOKENS = {("gpt2", "fused"): 250_000_000, ("gpt2", "chunked"): 8_000_000,
                       ("llama", "fused"): 6_000_000, ("llama", "chunked"): 6_000_000}
+# With a warm compile cache for this model, loss and device (accel/compile_cache.py: Dynamo still traces, Inductor's
+# code and Triton's kernels are read back), a compile costs about a quarter of a cold one, and so repays after a
+# quarter of the tokens. An estimate from Inductor's documented cache hits, to be measured on the GPU
+# (tests/accel/test_compile_cache.py times a cold and a warm process).
+WARM_COMPILE_SHARE = 0.25
 
 
 def model_family(model) -> str:
@@ -26,9 +31,9 @@ def model_family(model) -> str:
 
 
 def use_compile(setting: str, device: torch.device, n_tokens: int, loss: str = "chunked",
-                family: str = "gpt2", scored_share: float = 1.0) -> tuple[bool, str]:
+                family: str = "gpt2", scored_share: float = 1.0, warm_cache: bool = False) -> tuple[bool, str]:
     """(compile or not, why) for --compile auto|on|off. scored_share: scored positions over positions read
-    (about stride / ctx for sliding windows)."""
+    (about stride / ctx for sliding windows); warm_cache: the compile cache holds this model's scorer."""
     from ..engine.score import GATHER_BELOW
     if setting == "on":
         return True, "on (--compile on)"
@@ -41,16 +46,22 @@ def use_compile(setting: str, device: torch.device, n_tokens: int, loss: str = "
         # positions only is 1.24x and 1.28x the compiled one, which runs it on every position
         return False, (f"off (auto: {100 * scored_share:.1f} % of the positions read are scored; the eager fused "
                        "loss on those only is faster than compiling)")
-    if n_tokens < COMPILE_MIN_TOKENS[family, loss]:
+    minimum = int(COMPILE_MIN_TOKENS[family, loss] * (WARM_COMPILE_SHARE if warm_cache else 1))
+    warm = " with the warm compile cache" if warm_cache else ""
+    if n_tokens < minimum:
         return False, (f"off (auto: {n_tokens:,} tokens are too few to repay compiling this model with the "
-                       f"{loss} loss; it pays from {COMPILE_MIN_TOKENS[family, loss]:,})")
-    return True, "on (auto)"
+                       f"{loss} loss{warm}; it pays from {minimum:,})")
+    return True, f"on (auto{warm})"
 
 
-def compile_score_fn(fn):
-    # a persistent cache makes the second run of the same shapes reuse the compiled kernels
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
-    os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+def compile_score_fn(fn, cache_key: Optional[str] = None):
+    """fn under torch.compile, with the caches of accel/compile_cache.py: the second process of the same shapes
+    reuses the compiled code. With a cache_key (compile_cache.cache_key), the key's artifacts file is loaded first
+    and the scorer's compile_record says how long compiling took and where its code came from."""
+    compile_cache.configure_caches()
+    record = None
+    if cache_key is not None:
+        record = compile_cache.CompileRecord(cache_key, compile_cache.load_artifacts(cache_key))
     from ..engine.fused_loss import register_compiled_op
     register_compiled_op()   # the fused loss as one opaque op inside the graph
     compiled = torch.compile(fn, dynamic=False)
@@ -58,9 +69,21 @@ def compile_score_fn(fn):
     def compiled_score(*args):
         # takes no scored_rows (engine.score): static shapes, the loss on every position, since a gathered
         # row count that changes from batch to batch would compile one graph per count
-        return compiled(*args)
+        return compiled(*args) if record is None else record.timed_call(compiled, *args)
 
+    compiled_score.compile_record = record
     return compiled_score
+
+
+def finish_compiled_run(score_fn, stage_seconds: dict) -> str:
+    """After scoring with a compiled scorer: its new code saved for the next process, stage_seconds["compile"]
+    set, and what the report's compile line adds ("; compiled in 8.1 s, from the cache"); "" for another scorer."""
+    record = getattr(score_fn, "compile_record", None)
+    if record is None:
+        return ""
+    compile_cache.finish(record)
+    stage_seconds["compile"] = record.seconds
+    return record.note()
 
 
 def allow_shapes(n_shapes: int) -> None:

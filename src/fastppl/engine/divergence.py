@@ -1,6 +1,6 @@
 """Two models on the same tokens: per scored token, the NLL of each, KL(reference ‖ model), whether their top-1
 tokens agree and Δp, computed in fp32 from the two models' final hidden states a chunk of rows at a time, so
-that at most two (chunk_rows, V) fp32 logit tensors exist at once, never (B, T, V)."""
+that a chunk holds at most WORKING_SET_TENSORS (chunk_rows, V) fp32 tensors' worth at once, never (B, T, V)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -14,10 +14,16 @@ from ..models.attention import DocumentIds, DocumentSpans
 # the columns of a divergence scorer's (B, T, 5) output, of DeviceSums.divergence and of --per-token's array
 COLUMNS = ("nll", "reference_nll", "kld", "same_top1", "delta_p")
 KLD_COLUMN = COLUMNS.index("kld")
-# at most this many logits of each model at once (the rows of a chunk: --loss-chunk-rows or fewer): a chunk holds
-# three (rows, V) fp32 tensors at most, 192 MiB, so that the divergence adds little to one forward pass'
-# activations (GPT-2: 333 rows); with 2 ** 26, a GPT-2 batch of 16 x 1024 peaked 3.1x above a one-model run.
+# at most this many logits of each model at once (the rows of a chunk: --loss-chunk-rows or fewer), so that the
+# divergence adds little to one forward pass' activations (GPT-2: 333 rows); with 2 ** 26, a GPT-2 batch of
+# 16 x 1024 peaked 3.1x above a one-model run.
 CHUNK_LOGITS = 2 ** 24
+# the vocabulary sums of a chunk run over this many blocks of its rows: torch.sum(dtype=float64) first copies its
+# fp32 input to float64 (twice its size), so that three whole-chunk sums held five (rows, V) fp32 tensors' worth
+# at once. By blocks a chunk holds at most WORKING_SET_TENSORS of them: both models' logits, a block's exp and
+# its float64 copy (GPT-2: 2.75 x 64 MiB).
+SUM_BLOCKS = 4
+WORKING_SET_TENSORS = 2 + 3 / SUM_BLOCKS
 
 
 def chunked_divergence(
@@ -45,8 +51,8 @@ def chunked_divergence(
 
 def _divergence_of_logits(logits: torch.Tensor, reference_logits: torch.Tensor,
                           targets: torch.Tensor) -> torch.Tensor:
-    """The COLUMNS of one chunk; both (c, V) fp32 logit tensors are overwritten (in place: at most one more
-    (c, V) tensor exists at a time).
+    """The COLUMNS of one chunk; both (c, V) fp32 logit tensors are overwritten (in place: beside them, at most a
+    block of rows' exp and its float64 copy exist at a time, _row_sums_float64).
 
     Written for fp32's rounding, with d = logit - max logit of the row and S = Σ_v exp(d_v):
         ln p(v) = d_v - ln S,   KL(A ‖ B) = Σ_v exp(dA_v) (dA_v - dB_v) / S_A + ln(S_B / S_A)
@@ -61,16 +67,23 @@ def _divergence_of_logits(logits: torch.Tensor, reference_logits: torch.Tensor,
                                 - reference_maximum.double())[:, 0]
     shifted = logits.sub_(maximum)                                                             # dB
     reference_shifted = reference_logits.sub_(reference_maximum)                               # dA
-    exp_sum = shifted.exp().sum(-1, dtype=torch.float64)                                       # S_B
+    exp_sum = _row_sums_float64(shifted, torch.exp)                                            # S_B
     log_ratio = shifted.sub_(reference_shifted).neg_()                                         # dA - dB
     reference_exp = reference_shifted.exp_()                                                   # exp(dA)
-    reference_exp_sum = reference_exp.sum(-1, dtype=torch.float64)                             # S_A
-    cross = log_ratio.mul_(reference_exp).sum(-1, dtype=torch.float64)
+    reference_exp_sum = _row_sums_float64(reference_exp)                                       # S_A
+    cross = _row_sums_float64(log_ratio.mul_(reference_exp))
     kld = cross / reference_exp_sum + torch.log(exp_sum / reference_exp_sum)
     nll = torch.log(exp_sum) - target_shifted
     reference_nll = torch.log(reference_exp_sum) - reference_target_shifted
     delta_p = torch.exp(target_shifted) / exp_sum - torch.exp(reference_target_shifted) / reference_exp_sum
     return torch.stack([nll, reference_nll, kld, same_top1.double(), delta_p], dim=1).float()
+
+
+def _row_sums_float64(x: torch.Tensor, elementwise=None) -> torch.Tensor:
+    """(c,) float64 sums over the rows of x (c, V) fp32, or of elementwise(x), SUM_BLOCKS blocks of rows at a
+    time: the float64 copy that the sum makes (and elementwise's output) are a block's, not the chunk's."""
+    return torch.cat([(block if elementwise is None else elementwise(block)).sum(-1, dtype=torch.float64)
+                      for block in x.tensor_split(SUM_BLOCKS)])
 
 
 def make_divergence_score_fn(model: nn.Module, reference: nn.Module, chunk_rows: int = 8192):
