@@ -127,3 +127,16 @@ def test_the_repository_speaks_of_the_product_not_of_its_history():
         hits += [f"{path.relative_to(ROOT)}:{n}: {line.strip()[:80]}"
                  for n, line in enumerate(text.splitlines(), 1) if HISTORY.search(line)]
     assert not hits, hits[:20]
+
+
+FAMILY_FILES = {"src/fastppl/models/gpt2.py", "src/fastppl/models/llama.py", "src/fastppl/models/qwen3.py"}
+
+
+def test_only_a_family_asks_whether_a_model_is_of_its_class():
+    """What a family is and offers lives in its ModelSpec (fastppl.models.registry); the rest of the package asks
+    the spec, never `isinstance(model, Llama)`."""
+    pattern = re.compile(r"isinstance\([^)]*(Llama|GPT2|Qwen)")
+    hits = [f"{path.relative_to(ROOT)}:{n}" for path in PACKAGE.rglob("*.py")
+            if str(path.relative_to(ROOT)) not in FAMILY_FILES
+            for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not hits, hits

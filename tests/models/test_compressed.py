@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from fastppl.errors import FastpplError  # noqa: E402
 from fastppl.models import load_model  # noqa: E402
 from fastppl.models.compressed import unpack_int32  # noqa: E402
-from fastppl.models.hf_convert import llama_state_dict_to_hf  # noqa: E402
+from fastppl.models.llama import state_dict_to_hf as llama_state_dict_to_hf  # noqa: E402
 from fastppl.quiet import quiet_transformers  # noqa: E402
 
 # scheme -> (weight arguments, the format the checkpoint is saved in: None for the package's choice)

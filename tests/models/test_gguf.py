@@ -16,7 +16,8 @@ from fastppl.engine.score import make_score_fn  # noqa: E402
 from fastppl.errors import FastpplError  # noqa: E402
 from fastppl.models import load_model  # noqa: E402
 from fastppl.models.gguf import unpermute_rope_rows  # noqa: E402
-from fastppl.models.hf_convert import gpt2_state_dict_to_hf, llama_state_dict_to_hf  # noqa: E402
+from fastppl.models.gpt2 import state_dict_to_hf as gpt2_state_dict_to_hf  # noqa: E402
+from fastppl.models.llama import state_dict_to_hf as llama_state_dict_to_hf  # noqa: E402
 
 FP32_RTOL = 1e-5
 Q = gguf.GGMLQuantizationType

@@ -32,7 +32,7 @@ def _cached_forward(model, ids: torch.Tensor, pad: torch.Tensor, prefill_len: in
     return torch.cat(pieces, dim=1)
 
 
-@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny", "qwen3-tiny"])
 def test_cached_forward_equals_uncached(preset):
     model = _model(preset)
     ids = torch.randint(0, 50257, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -44,7 +44,7 @@ def test_cached_forward_equals_uncached(preset):
         torch.testing.assert_close(model(ids), expected, rtol=0, atol=0)   # removing the cache restores the plain path
 
 
-@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny", "qwen3-tiny"])
 def test_left_padded_rows_equal_their_unpadded_selves(preset):
     model = _model(preset)
     generator = torch.Generator().manual_seed(1)

@@ -9,7 +9,7 @@ from fastppl.engine.score import make_score_fn
 from fastppl.errors import FastpplError
 from fastppl.models import load_model
 from fastppl.models.hf_backend import HFCausalLM
-from fastppl.models.hf_convert import llama_config_from_hf
+from fastppl.models.llama import config_from_hf as llama_config_from_hf
 from fastppl.models.llama import PRESETS, Llama, rope_frequencies
 from fastppl.models.loading import native_to_hf, random_native
 

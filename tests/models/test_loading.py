@@ -19,7 +19,7 @@ from fastppl.models import load_model
 from fastppl.models.gpt2 import GPT2, GPT2Config
 from fastppl.models.llama import Llama, LlamaConfig
 from fastppl.models.loading import save_hf_gpt2
-from fastppl.models.hf_convert import llama_config_to_hf, llama_state_dict_to_hf
+from fastppl.models.llama import config_to_hf as llama_config_to_hf, state_dict_to_hf as llama_state_dict_to_hf
 
 ROOT = Path(__file__).resolve().parents[2]
 # in an fp64 file: above 1 + 2**-8 (halfway between two bf16 numbers) by less than fp32 resolves, so that a cast

@@ -14,7 +14,7 @@ from fastppl.config import EvalConfig
 from fastppl.engine.score import make_score_fn
 from fastppl.models import load_model
 from fastppl.models.gpt2 import GPT2, GPT2Config
-from fastppl.models.hf_convert import gpt2_config_to_hf, gpt2_state_dict_to_hf
+from fastppl.models.gpt2 import config_to_hf as gpt2_config_to_hf, state_dict_to_hf as gpt2_state_dict_to_hf
 from fastppl.pipeline import evaluate
 from fixtures.window_references import hf_guide_pairs, lm_eval_rolling_pairs
 

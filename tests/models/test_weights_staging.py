@@ -12,7 +12,7 @@ from fastppl.models import weights
 from fastppl.errors import FastpplError
 from fastppl.models import load_model
 from fastppl.models.gpt2 import GPT2, GPT2Config
-from fastppl.models.hf_convert import llama_config_to_hf, llama_state_dict_to_hf
+from fastppl.models.llama import config_to_hf as llama_config_to_hf, state_dict_to_hf as llama_state_dict_to_hf
 from fastppl.models.llama import Llama, LlamaConfig
 from fastppl.models.loading import save_hf_gpt2
 from fastppl.models.weights import Chunk, Staging, plan_fills

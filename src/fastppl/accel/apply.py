@@ -18,6 +18,7 @@ from ..engine.loss import resolve_loss
 from ..engine.score import ScoreFn, make_score_fn
 from ..errors import FastpplError
 from ..models.attention import varlen_available
+from ..models.registry import spec_of
 from . import compile_cache, cublaslt, linear
 from .compile import compile_score_fn, model_family, use_compile
 from .fused_mlp import fuse_mlp_epilogue, unfuse_mlp_epilogue
@@ -66,7 +67,7 @@ def apply_fusions(model: nn.Module, device: torch.device, acceleration: Accelera
     adds inside the projections with the bias sums in the LayerNorms. Fusions applied before are undone first,
     so that one model can be accelerated again for another choice (the bench's variants)."""
     unfuse_mlp_epilogue(model)
-    if "forward" in model.__dict__:   # fused norms of an earlier choice (fused_norm imports Triton: only then)
+    if getattr(model, "fused_norms", None) is not None:   # of an earlier choice (fused_norm imports Triton: only then)
         from .fused_norm import unfuse_residual_norms
         unfuse_residual_norms(model)
     mlp, norms = "plain", "plain"
@@ -89,10 +90,9 @@ def score_fn_for(model: nn.Module, acceleration: Acceleration, chunk_rows: int =
 def choose_tuning(setting: str, model: nn.Module, device: torch.device, dtype: torch.dtype, compiled: bool,
                   kv_cache: bool = False) -> cublaslt.TuningChoice:
     """--tune-products for this run: tuned cuBLASLt products for fastppl's native models' eager batches only."""
-    from ..models.gpt2 import GPT2
-    from ..models.llama import Llama
     tuning = cublaslt.use_tuning(setting, device, dtype, compiled)
-    if tuning.mode != "off" and not isinstance(model, (GPT2, Llama)):
+    spec = spec_of(model)
+    if tuning.mode != "off" and (spec is None or not spec.tuned_products):
         return cublaslt.TuningChoice("off", "torch's picks (tuning is for fastppl's native models)")
     if tuning.mode != "off" and kv_cache:
         return cublaslt.TuningChoice("off", "torch's picks (the cached sliding rows change shape at every stride)")

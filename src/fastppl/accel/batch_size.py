@@ -30,15 +30,12 @@ def scoring_memory_bound(model: nn.Module, seq_len: int, element_size: int, loss
     output and the gathered loss rows (7 model widths, 8 counted), the MLP's inner tensors (up to 3 for SwiGLU, 4
     counted), fp32 attention scores in case a math kernel runs, and the per-token fp32 outputs; the chunked
     loss adds one chunk's logits in the model's dtype and in fp32, whatever the row count."""
-    from ..models.gpt2 import GPT2Config
-    from ..models.llama import LlamaConfig
-    config = getattr(model, "config", None)
-    if isinstance(config, GPT2Config):
-        width, inner, heads, vocab = config.n_embd, 4 * config.n_embd, config.n_head, config.vocab_size
-    elif isinstance(config, LlamaConfig):
-        width, inner, heads, vocab = config.hidden_size, config.intermediate_size, config.n_head, config.vocab_size
-    else:
+    from ..models.registry import spec_of
+    spec = spec_of(model)
+    if spec is None:
         return None
+    shape = spec.shape(model.config)
+    width, inner, heads, vocab = shape.width, shape.mlp_inner, shape.n_head, shape.vocab_size
     per_row = seq_len * element_size * (8 * width + 4 * inner) + heads * seq_len ** 2 * 4 + seq_len * 8 * 8
     fixed = chunk_rows * vocab * (element_size + 2 * 4) if loss == "chunked" else 0
     return MemoryBound(BOUND_SAFETY * per_row, BOUND_SAFETY * fixed)

@@ -5,18 +5,13 @@ from typing import Optional
 
 import torch
 
+from ..models.registry import SPECS, spec_of
 from . import compile_cache
 
 # Below this many scored tokens a cold compile costs more than it saves: compile seconds divided by the
-# seconds per token it saves. Measured on the H200 with an eager scorer slower than the current one, so these thresholds
-# are, if anything, low:
-# - GPT-2 (and any non-Llama model): with the fused loss, compiling moves the scorer only from 1.62 to
-#   1.70 M tokens/s, so it repays ~8 s after ~250 M tokens; with the chunked loss 0.64 -> 1.62 M tokens/s,
-#   repaid after ~8 M tokens.
-# - Llama family (the Llama-3.2-1B shape, where RMSNorm, RoPE and SwiGLU run as many small eager kernels):
-#   fused 158 k -> 212 k tokens/s for 9 s, chunked 146 k -> 216 k for 11 s: repaid after ~5.6 M tokens.
-COMPILE_MIN_TOKENS = {("gpt2", "fused"): 250_000_000, ("gpt2", "chunked"): 8_000_000,
-                      ("llama", "fused"): 6_000_000, ("llama", "chunked"): 6_000_000}
+# seconds per token it saves, measured per compile family (each family's ModelSpec says its family and figures).
+COMPILE_MIN_TOKENS = {(spec.compile_family, loss): tokens for spec in SPECS
+                      for loss, tokens in spec.compile_min_tokens.items()}
 # With a warm compile cache for this model, loss and device (accel/compile_cache.py: Dynamo still traces, Inductor's
 # code and Triton's kernels are read back), a compile costs about a quarter of a cold one, and so repays after a
 # quarter of the tokens. An estimate from Inductor's documented cache hits, to be measured on the GPU
@@ -25,9 +20,9 @@ WARM_COMPILE_SHARE = 0.25
 
 
 def model_family(model) -> str:
-    """The key of COMPILE_MIN_TOKENS: "llama" for the native Llama family, "gpt2" for everything else."""
-    from ..models.llama import Llama
-    return "llama" if isinstance(model, Llama) else "gpt2"
+    """The key of COMPILE_MIN_TOKENS: the native model's compile family, "gpt2" for any other model."""
+    spec = spec_of(model)
+    return spec.compile_family if spec is not None else "gpt2"
 
 
 def use_compile(setting: str, device: torch.device, n_tokens: int, loss: str = "chunked",

@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 
 from ..models.gpt2 import GPT2
+from ..models.registry import spec_of
 from . import fused_decode_kernels as kernels
 from .fused_decode_kernels import (ADD_TO_RESIDUAL, BLOCK_ARGMAX, LAYER_NORM, PLAIN, QKV_TO_CACHE, STORE, tl,
                                    triton)
@@ -50,7 +51,8 @@ def fused_decode_unsupported(model: nn.Module, temperature: float, batch: int = 
     """None when FusedGPT2Decoder can run this model's decode steps, else the reason it cannot."""
     if triton is None:
         return "Triton is not installed"
-    if not isinstance(model, GPT2):
+    spec = spec_of(model)
+    if spec is None or not spec.fused_decode:
         return f"the fused decode step is written for GPT-2, not {type(model).__name__}"
     if temperature > 0:
         return "the fused decode step is greedy only; sampling runs the compiled step"

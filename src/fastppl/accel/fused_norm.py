@@ -1,4 +1,5 @@
-"""GPT-2's residual adds moved out of their own kernels, applied to a built model by swapping its forward.
+"""GPT-2's residual adds moved out of their own kernels: the Triton kernel that fastppl.models.gpt2's
+forward_with_fused_norms runs, handed by fuse_residual_norms to a model whose family's spec offers that forward.
 Every `x = x + proj(y)` is followed by a LayerNorm (the next sublayer's, or ln_f). Eager PyTorch writes proj(y), an add
 kernel reads it and x and writes the sum, and the LayerNorm reads the sum back. Here the product is added into x in
 place by cuBLAS (addmm_ with beta = 1), and one Triton kernel per LayerNorm reads x once, adds back the projection
@@ -10,14 +11,15 @@ is the reference (tests/accel/test_fused_norm.py, tests/test_gpu.py); KV-cache f
 path."""
 from __future__ import annotations
 
+import functools
 import os
-import types
 from typing import Optional
 
 import torch
 import torch.nn as nn
 
-from ..models.gpt2 import GPT2
+from ..models.registry import spec_of
+from ..models.spec import ResidualNormKernels
 from .linear import linear
 
 try:
@@ -84,48 +86,17 @@ def add_layer_norm(x: torch.Tensor, delta: torch.Tensor, norm: nn.LayerNorm,
     return total, out
 
 
-def _projection_bias_sums(model: GPT2) -> torch.Tensor:
-    """(2L, 1, C) fp32: entry j is the sum of the first j + 1 output-projection biases (attention, MLP, attention, ...)."""
-    biases = [b for block in model.blocks for b in (block.attn.proj.bias, block.mlp.proj.bias)]
-    return torch.stack(biases).float().cumsum(0)[:, None, :]
-
-
-def _fused_forward(
-    self: GPT2, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-    document_ids: Optional[torch.Tensor] = None, cache_step=None,
-) -> torch.Tensor:
-    if cache_step is not None:
-        return GPT2.forward(self, input_ids, position_ids, document_ids, cache_step)
-    B, T = input_ids.shape
-    C = self.config.n_embd
-    if position_ids is None:
-        position_ids = torch.arange(T, device=input_ids.device)
-    blocks = self.blocks
-    # x: the residual stream, kept less the output projections' biases added so far. A bias is the same vector
-    # for every row, so the LayerNorm that reads x adds their sum back (bias_sums), and each projection can add
-    # its product into x in place inside cuBLAS (beta = 1, x read once in the product's epilogue) rather than
-    # write it for a separate add to read. h: x's normalisation by the LayerNorm that reads it next.
-    bias_sums = _projection_bias_sums(self)
-    x, h = add_layer_norm(self.wte(input_ids), self.wpe(position_ids), blocks[0].ln_1)
-    x, h = x.view(B * T, C), h.view(B * T, C)
-    for i, block in enumerate(blocks):
-        heads = block.attn.attend(h.view(B, T, C), document_ids).view(B * T, C)
-        linear(heads, block.attn.proj.weight, accumulate_into=x)
-        _, h = add_layer_norm(x, bias_sums[2 * i], block.ln_2, store_sum=False)
-        linear(block.mlp.activation(h), block.mlp.proj.weight, accumulate_into=x)
-        next_norm = blocks[i + 1].ln_1 if i + 1 < len(blocks) else self.ln_f
-        _, h = add_layer_norm(x, bias_sums[2 * i + 1], next_norm, store_sum=False)
-    return h.view(B, T, C)
-
-
 def fuse_residual_norms(model: nn.Module) -> bool:
-    """Swap a GPT-2's forward for the fused one; False (nothing done) for other models or without Triton."""
-    if triton is None or not isinstance(model, GPT2):
+    """Run the model through the fused-norm forward its family offers (fastppl.models.spec.ModelSpec.
+    fused_norm_forward: GPT-2's), bound to these kernels; False (nothing done) where none is offered or without
+    Triton. KV-cache forwards (cache_step) keep the plain path."""
+    spec = spec_of(model)
+    if triton is None or spec is None or spec.fused_norm_forward is None:
         return False
-    model.forward = types.MethodType(_fused_forward, model)
+    model.fused_norms = functools.partial(spec.fused_norm_forward, kernels=ResidualNormKernels(add_layer_norm, linear))
     return True
 
 
 def unfuse_residual_norms(model: nn.Module) -> None:
-    if "forward" in model.__dict__ and isinstance(model, GPT2):
-        del model.forward
+    if getattr(model, "fused_norms", None) is not None:
+        model.fused_norms = None

@@ -46,23 +46,21 @@ class BenchRow:
         return self.tokens / self.seconds if self.seconds > 0 else float("nan")
 
 
-# (seq, batch, peers) when not given, by architecture: Llama-1B's naive and autocast loops take minutes
+# (seq, batch, peers) when not given, by compile family (fastppl.models.spec.ModelSpec.compile_family): Llama-1B's
+# naive and autocast loops take minutes
 DEFAULTS = {"gpt2": (1024, 64, ["naive", "autocast", "hf-bf16", "hf-compiled", "fastppl"]),
             "llama": (2048, 8, ["hf-bf16", "hf-compiled", "fastppl"])}
 PEERS = ("naive", "autocast", "hf-bf16", "hf-compiled", "fastppl")
 
 
 def flops_per_token(config, seq_len: int) -> float:
-    """Forward matmul FLOPs per scored token of a GPT2Config or LlamaConfig at window length seq_len."""
-    from ..models.llama import LlamaConfig
-    if isinstance(config, LlamaConfig):
-        L, d, V = config.n_layer, config.hidden_size, config.vocab_size
-        q, kv = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
-        mlp = 3 * d * config.intermediate_size                    # gate, up, down
-    else:
-        L, d, V = config.n_layer, config.n_embd, config.vocab_size
-        q = kv = d
-        mlp = 2 * d * 4 * d                                        # fc, proj
+    """Forward matmul FLOPs per scored token of a native config at window length seq_len (the sizes from its
+    family's spec)."""
+    from ..models.registry import spec_of_config
+    shape = spec_of_config(config).shape(config)
+    L, d, V = shape.n_layer, shape.width, shape.vocab_size
+    q, kv = shape.q_width, shape.kv_width
+    mlp = shape.mlp_matrices * d * shape.mlp_inner                 # GPT-2: fc, proj; SwiGLU: gate, up, down
     per_layer = d * (q + 2 * kv) + q * d + mlp                     # qkv, output projection, MLP
     return 2 * (L * per_layer + d * V) + 2 * L * q * (seq_len + 1)
 
@@ -147,8 +145,8 @@ def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_le
     tune_products: fastppl's row times cuBLASLt's candidates (on) or not (fastppl.accel.apply.choose_tuning).
     seq_len, batch_size and peers default by architecture (DEFAULTS)."""
     from ..engine.loss import resolve_loss
-    from ..models.llama import Llama
     from ..models.loading import RANDOM_PREFIX, random_native
+    from ..models.registry import spec_of
     device = resolve_device(device_name)
     if not model_spec.startswith(RANDOM_PREFIX):
         raise FastpplError(f"bench takes a random:<preset> model, got {model_spec!r}")
@@ -159,7 +157,7 @@ def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_le
         raise FastpplError(f"unknown --peers {', '.join(unknown)}; use a subset of {','.join(PEERS)}")
     loss = resolve_loss(loss, device)   # refused before the weights are drawn and any timing
     native = random_native(model_spec[len(RANDOM_PREFIX):], 0, device).to("cpu")
-    default_seq, default_batch, default_peers = DEFAULTS["llama" if isinstance(native, Llama) else "gpt2"]
+    default_seq, default_batch, default_peers = DEFAULTS[spec_of(native).compile_family]
     seq_len, batch_size, peers = seq_len or default_seq, batch_size or default_batch, peers or default_peers
     if seq_len > native.max_positions:
         raise FastpplError(f"--seq {seq_len} exceeds the model's {native.max_positions} positions")

@@ -131,18 +131,19 @@ def run_row(report: dict, nproc: int, process_seconds: float, baseline: Optional
 
 def _model_family(spec: str) -> str:
     """accel.compile.model_family of the model eval will build, read from the preset or config.json without
-    building it: "llama" for the Llama family, else "gpt2"."""
+    building it: its family's spec's compile family, "gpt2" where there is none."""
     import json
-    from ..models.hf_convert import LLAMA_MODEL_TYPES
-    from ..models.llama import PRESETS as LLAMA_PRESETS
     from ..models.loading import RANDOM_PREFIX
+    from ..models.registry import spec_for_model_type, spec_of_preset
     if spec.startswith(RANDOM_PREFIX):
-        return "llama" if spec[len(RANDOM_PREFIX):] in LLAMA_PRESETS else "gpt2"
-    try:
-        model_type = json.loads((Path(spec).expanduser() / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return "gpt2"   # a hub id, or a directory eval will report on
-    return "llama" if model_type in LLAMA_MODEL_TYPES else "gpt2"
+        family = spec_of_preset(spec[len(RANDOM_PREFIX):])
+    else:
+        try:
+            model_type = json.loads((Path(spec).expanduser() / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            model_type = None   # a hub id, or a directory eval will report on
+        family = spec_for_model_type(model_type)
+    return family.compile_family if family is not None else "gpt2"
 
 
 def _timed_runs(counts: list[int], eval_argv: Callable[[Path, Path], list[str]], n_written: int, vocab_size: int,

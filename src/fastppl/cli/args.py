@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 
 
-# the random:PRESET shapes, as in fastppl.models.gpt2.PRESETS and fastppl.models.llama.PRESETS (those modules
-# import torch, which the parser must not); tests/cli/test_help.py keeps the three lists equal
+# the random:PRESET shapes, as in the families' specs (fastppl.models.registry.presets(); those modules import torch,
+# which the parser must not); tests/cli/test_help.py keeps the lists equal
 GPT2_PRESETS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt2-tiny")
 LLAMA_PRESETS = ("llama-1b", "llama-tiny")
-RANDOM_PRESETS = GPT2_PRESETS + LLAMA_PRESETS
+QWEN3_PRESETS = ("qwen3-tiny",)
+RANDOM_PRESETS = GPT2_PRESETS + LLAMA_PRESETS + QWEN3_PRESETS
 
 PRESETS_HELP = f"PRESET: {', '.join(RANDOM_PRESETS)}"
 MODEL_HELP = ("a Hugging Face checkpoint directory (config.json + weights), a hub id, a FILE.gguf (or "

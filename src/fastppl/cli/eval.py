@@ -79,7 +79,7 @@ def _add_scoring_arguments(p) -> None:
                    help="weights and activations; the loss is always fp32 (default: %(default)s: bf16 on CUDA, "
                         "fp32 on cpu)")
     p.add_argument("--backend", default="auto", choices=["auto", "native", "hf"],
-                   help="native: fastppl's own GPT-2 and Llama-family (Llama, Qwen2, Mistral) models; hf: "
+                   help="native: fastppl's own GPT-2 and Llama-family (Llama, Qwen2, Qwen3, Mistral) models; hf: "
                         "transformers' AutoModelForCausalLM (default: %(default)s: native where it implements the "
                         "checkpoint's architecture and settings, else hf)")
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
@@ -96,7 +96,7 @@ def _add_scoring_arguments(p) -> None:
                    help="chunked loss: rows of the output projection computed at once; memory: rows x vocab x 4 "
                         "bytes (default: %(default)s)")
     p.add_argument("--kv-cache", default="auto", choices=["auto", "on", "off"],
-                   help="sliding windows on native rotary models (Llama, Qwen2, Mistral): on reuses cached "
+                   help="sliding windows on native rotary models (Llama, Qwen2, Qwen3, Mistral): on reuses cached "
                         "keys/values (faster, but carries context from before the window; see "
                         "docs/llama-and-generation.md) (default: %(default)s, which is off)")
     p.add_argument("--seed", type=seed, default=0, help="seed of random:PRESET weights (default: %(default)s)")

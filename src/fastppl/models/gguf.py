@@ -1,6 +1,6 @@
 """GGUF files (llama.cpp's format) read as a Hugging Face checkpoint: the metadata becomes a config.json-style dict,
 the tensors an index under transformers' names, each dequantized on the run's device when it is read
-(fastppl.models.gguf_quants), so that the ordinary checkpoint conversion (hf_convert) builds the native model.
+(fastppl.models.gguf_quants), so that the family's ordinary checkpoint conversion (its ModelSpec) builds the native model.
 
 --model takes a local FILE.gguf or owner/repo:FILE.gguf (one file of a hub repository, downloaded once)."""
 from __future__ import annotations

@@ -17,12 +17,10 @@ from .compressed import compressed_index, is_compressed_tensors
 from .gguf import load_hf_gguf, open_gguf
 from .gpt2 import GPT2, PRESETS
 from .hf_backend import HFCausalLM
-from .hf_convert import (LLAMA_MODEL_TYPES, gpt2_config_from_hf, gpt2_config_to_hf, gpt2_native_gaps, gpt2_pieces,
-                         llama_config_from_hf, llama_config_to_hf, llama_pieces, llama_unsupported)
-from .llama import PRESETS as LLAMA_PRESETS, Llama
+from .registry import ModelSpec, NotNative, native_model_types, presets, spec_for_model_type, spec_of, spec_of_preset
 from .weights import StoredTensor, fill_parameters, index_checkpoint, safetensors_index
 
-NATIVE_MODEL_TYPES = ("gpt2",) + LLAMA_MODEL_TYPES
+NATIVE_MODEL_TYPES = native_model_types()
 RANDOM_PREFIX = "random:"
 
 
@@ -33,44 +31,29 @@ def random_gpt2(preset: str, seed: int = 0, device: torch.device | str = "cpu") 
         raise FastpplError(
             f"unknown model random:{preset}; use one of {', '.join(RANDOM_PREFIX + p for p in PRESETS)}"
         )
-    with torch.device(device):
-        model = GPT2(PRESETS[preset])
-    model.init_weights(torch.Generator(device=device).manual_seed(seed))
-    return model
+    return random_native(preset, seed, device)
 
 
 def check_random_preset(spec: str) -> None:
     """An unknown random:<preset> is reported as such before the tokenizer (named after the model) is looked for."""
-    if spec.startswith(RANDOM_PREFIX) and spec[len(RANDOM_PREFIX):] not in (*PRESETS, *LLAMA_PRESETS):
-        raise FastpplError(f"unknown model {spec}; use one of "
-                           f"{', '.join(RANDOM_PREFIX + p for p in (*PRESETS, *LLAMA_PRESETS))}")
+    if spec.startswith(RANDOM_PREFIX) and spec[len(RANDOM_PREFIX):] not in presets():
+        raise FastpplError(f"unknown model {spec}; use one of {', '.join(RANDOM_PREFIX + p for p in presets())}")
 
 
 def random_native(preset: str, seed: int = 0, device: torch.device | str = "cpu") -> nn.Module:
     """random:<preset> of any native architecture, with seeded weights drawn on `device`."""
     check_random_preset(RANDOM_PREFIX + preset)
-    if preset in LLAMA_PRESETS:
-        with torch.device(device):
-            model = Llama(LLAMA_PRESETS[preset])
-        model.init_weights(torch.Generator(device=device).manual_seed(seed))
-        return model
-    return random_gpt2(preset, seed, device)
+    model = spec_of_preset(preset).build(preset, device)
+    model.init_weights(torch.Generator(device=device).manual_seed(seed))
+    return model
 
 
 def native_to_hf(native: nn.Module) -> nn.Module:
     """The transformers model with the same weights as a native one (for --backend hf and for tests)."""
-    if isinstance(native, Llama):
-        from transformers import AutoConfig, AutoModelForCausalLM
-        from .hf_convert import llama_state_dict_to_hf
-        hf_dict = llama_config_to_hf(native.config)
-        hf_config = AutoConfig.for_model(**hf_dict)
-        hf_model = AutoModelForCausalLM.from_config(hf_config)
-        state = llama_state_dict_to_hf(native)
-    else:
-        from transformers import GPT2Config as HFGPT2Config, GPT2LMHeadModel
-        from .hf_convert import gpt2_state_dict_to_hf
-        hf_model = GPT2LMHeadModel(HFGPT2Config(**gpt2_config_to_hf(native.config)))
-        state = gpt2_state_dict_to_hf(native)
+    from transformers import AutoConfig, AutoModelForCausalLM
+    spec = spec_of(native)
+    hf_model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec.config_to_hf(native.config)))
+    state = spec.state_dict_to_hf(native)
     missing, unexpected = hf_model.load_state_dict(state, strict=False)
     assert not unexpected, f"weights transformers does not know: {unexpected[:3]}"
     assert all(k.endswith((".attn.bias", ".attn.masked_bias")) for k in missing), f"not loaded: {missing[:3]}"
@@ -80,7 +63,7 @@ def native_to_hf(native: nn.Module) -> nn.Module:
 def position_limit_note(model: nn.Module) -> str:
     """Why a native model's position limit is lower than its checkpoint's, for an error about it, or ""."""
     window = getattr(getattr(model, "config", None), "attention_window", None)
-    if isinstance(model, Llama) and window and model.max_positions == window:
+    if spec_of(model) is not None and window and model.max_positions == window:
         return (f" (the checkpoint's sliding attention window: the native model attends to whole windows, which "
                 f"is the checkpoint's attention only up to {window} positions; --backend hf goes further)")
     return ""
@@ -135,9 +118,6 @@ def _read_config(directory: Path) -> dict:
 
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:h|layers)\.(\d+)\.")
-# config.json's keys for (layers, vocabulary, width), and the embedding's name, by family
-_SIZE_KEYS = {"gpt2": ("n_layer", "vocab_size", "n_embd", "wte.weight"),
-              "llama": ("num_hidden_layers", "vocab_size", "hidden_size", "embed_tokens.weight")}
 
 
 def _safetensors_shapes(directory: Path) -> dict[str, tuple]:
@@ -152,12 +132,12 @@ def _safetensors_shapes(directory: Path) -> dict[str, tuple]:
     return shapes
 
 
-def check_config_fits_weights(directory: Path, hf_config: dict) -> None:
+def check_config_fits_weights(directory: Path, hf_config: dict, spec: ModelSpec) -> None:
     """Before anything is built: the layers and embedding config.json describes against the weights' shapes, so
     that a config of a billion layers or of another model's vocabulary is one line, not a hang or out of memory."""
     shapes = _safetensors_shapes(directory)
-    layers_key, vocab_key, width_key, embedding = _SIZE_KEYS["gpt2" if hf_config.get("model_type") == "gpt2"
-                                                             else "llama"]
+    keys = spec.hf_size_keys
+    layers_key, vocab_key, width_key, embedding = keys.layers, keys.vocab, keys.width, keys.embedding
     layers = [int(m.group(1)) for name in shapes if (m := _LAYER_INDEX.search(name))]
     n_layer = hf_config.get(layers_key)
     if layers and type(n_layer) is int and n_layer > max(layers) + 1:   # fewer: _refuse_dropped_weights names one
@@ -250,28 +230,41 @@ def load_model(spec: str, backend: str = "auto", dtype: torch.dtype = torch.floa
     directory = gguf.path if gguf else resolve_checkpoint_dir(spec)
     hf_config = gguf.hf_config if gguf else _read_config(directory)
     model_type = hf_config.get("model_type")
-    if model_type in NATIVE_MODEL_TYPES and not gguf:
-        check_config_fits_weights(directory, hf_config)
-    unsupported = llama_unsupported(hf_config) if model_type in LLAMA_MODEL_TYPES else None
-    if backend == "native" and (model_type not in NATIVE_MODEL_TYPES or unsupported):
-        reason = (f"model_type {model_type!r} has no native implementation "
-                  f"({unsupported or ', '.join(NATIVE_MODEL_TYPES)})")
-        raise NoNativeModel(f"{spec}: {reason}; use --backend hf", reason)
-    gaps = gpt2_native_gaps(hf_config) if model_type == "gpt2" else []
-    if backend == "native" and gaps:
-        reason = f"the native GPT-2 does not implement {', '.join(gaps)}"
-        raise NoNativeModel(f"{spec}: {reason}; use --backend hf", reason)
-    if backend == "hf" or model_type not in NATIVE_MODEL_TYPES or unsupported or gaps:
-        why = ("--backend hf" if backend == "hf" else
-               f"auto: model_type {model_type!r} has no native implementation" if model_type not in NATIVE_MODEL_TYPES
-               else f"auto: the native model does not implement {unsupported or ', '.join(gaps)}")
+    family = spec_for_model_type(model_type)
+    if family is not None and not gguf:
+        check_config_fits_weights(directory, hf_config, family)
+
+    def load_hf(why: str) -> nn.Module:
         return (load_hf_gguf(gguf, dtype, why) if gguf else _load_hf(directory, dtype, why)).eval()
+    if backend == "hf":
+        return load_hf("--backend hf")
+    try:
+        if family is None:
+            raise NotNative(f"model_type {model_type!r} has no native implementation "
+                            f"({', '.join(NATIVE_MODEL_TYPES)})")
+        config = _native_config(directory, family, hf_config)
+    except NotNative as e:
+        reason = str(e) if family is None else f"the native {family.name} model does not implement {e}"
+        if backend == "native":
+            raise NoNativeModel(f"{spec}: {reason}; use --backend hf", reason) from None
+        return load_hf(f"auto: {reason}")
     index = gguf.index if gguf else None
     if is_compressed_tensors(hf_config):   # llm-compressor's weight-only schemes: dequantized as they are read
         index = compressed_index(checkpoint_index(directory), hf_config, str(directory))
-    if model_type in LLAMA_MODEL_TYPES:
-        return _load_native(directory, hf_config, llama_config_from_hf, Llama, llama_pieces, dtype, device, index)
-    return _load_native(directory, hf_config, gpt2_config_from_hf, GPT2, gpt2_pieces, dtype, device, index)
+    return _load_native(directory, family, config, dtype, device, index)
+
+
+def _native_config(directory: Path, family: ModelSpec, hf_config: dict):
+    """The family's native config of config.json; NotNative passes through (the caller falls back or refuses)."""
+    try:
+        return family.config_from_hf(hf_config)
+    except NotNative:
+        raise
+    except KeyError as e:
+        raise FastpplError(f"{directory}/config.json: lacks {e}; the checkpoint is corrupt") from None
+    except (TypeError, ValueError, AssertionError) as e:   # a wrong type, a negative size, ...
+        raise FastpplError(f"{directory}/config.json: does not describe a valid model ({first_line(e, 160)}); "
+                           "the checkpoint is corrupt") from None
 
 
 class _NoInitialisation(TorchFunctionMode):
@@ -287,21 +280,18 @@ class _NoInitialisation(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _load_native(directory: Path, hf_config: dict, config_from_hf, model_class, checkpoint_pieces,
-                 dtype: torch.dtype, device: torch.device | str,
+def _load_native(directory: Path, family: ModelSpec, config, dtype: torch.dtype, device: torch.device | str,
                  index: Optional[dict[str, StoredTensor]] = None) -> nn.Module:
     """Build on the meta device (no memory, no init), allocate on `device` in `dtype`, then read every weight
     into place, a tensor at a time (fastppl.models.weights)."""
     try:
-        config = config_from_hf(hf_config)
         with torch.device("meta"), _NoInitialisation():
-            model = model_class(config)
-    except KeyError as e:
-        raise FastpplError(f"{directory}/config.json: lacks {e}; the checkpoint is corrupt") from None
+            model = family.model_class(config)
     except (TypeError, ValueError, AssertionError, RuntimeError) as e:   # a wrong type, a negative size, ...
         raise FastpplError(f"{directory}/config.json: does not describe a valid model ({first_line(e, 160)}); "
                            "the checkpoint is corrupt") from None
-    pieces = checkpoint_pieces(model, index or checkpoint_index(directory), str(directory))   # all checked before allocating
+    # all checked before allocating
+    pieces = family.checkpoint_pieces(model, index or checkpoint_index(directory), str(directory))
     _allocate_parameters(model, dtype, device)
     fill_parameters(model, pieces)
     return model.eval()
@@ -321,18 +311,16 @@ def _allocate_parameters(model: nn.Module, dtype: torch.dtype, device: torch.dev
 
 
 def save_hf_checkpoint(model: nn.Module, directory: os.PathLike, dtype: torch.dtype = torch.float32) -> None:
-    """Write a native GPT-2 or Llama as an HF checkpoint directory (config.json + model.safetensors) in dtype."""
+    """Write a native model as an HF checkpoint directory (config.json + model.safetensors) in dtype."""
     from safetensors.torch import save_file
-    from .hf_convert import gpt2_state_dict_to_hf, llama_state_dict_to_hf
+    spec = spec_of(model)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    is_llama = isinstance(model, Llama)
-    state = llama_state_dict_to_hf(model) if is_llama else gpt2_state_dict_to_hf(model)
-    if not is_llama or model.config.tie_word_embeddings:
+    state = spec.state_dict_to_hf(model)
+    if getattr(model.config, "tie_word_embeddings", True):
         del state["lm_head.weight"]  # tied: safetensors refuses shared storage
     save_file({k: v.to("cpu", dtype).contiguous() for k, v in state.items()}, str(directory / "model.safetensors"))
-    hf_config = llama_config_to_hf(model.config) if is_llama else gpt2_config_to_hf(model.config)
-    (directory / "config.json").write_text(json.dumps(hf_config, indent=2))
+    (directory / "config.json").write_text(json.dumps(spec.config_to_hf(model.config), indent=2))
 
 
 def save_hf_gpt2(model: GPT2, directory: os.PathLike) -> None:

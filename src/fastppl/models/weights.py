@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -342,3 +343,32 @@ def _copy_fill(fill: list[Chunk], buffer: torch.Tensor, items: list[tuple[Stored
         if chunk.stop == stored.n_bytes:
             finished.append(chunk.item)
     return finished
+def refuse_dropped_weights(index: dict[str, StoredTensor], layer_prefix: str, n_layer: int, tied_head: Optional[str],
+                           embedding: str, source: str) -> None:
+    """Refuse a checkpoint whose weights the model would drop and so silently be another model: layers past
+    the config's n_layer (a config with fewer layers than the file), or, for a tied model, a file's own output
+    matrix that is not the embedding. Other extra tensors (a value head, a second copy of the weights under
+    other names, as Mistral's consolidated.safetensors) are ignored, as transformers ignores them."""
+    layer = re.compile(re.escape(layer_prefix) + r"(\d+)\.")
+    extra = sorted((int(m.group(1)), k) for k in index if (m := layer.match(k)) and int(m.group(1)) >= n_layer)
+    if extra:
+        raise FastpplError(
+            f"{source}: checkpoint holds layer {extra[0][0]} ({extra[0][1]}), but config.json has {n_layer} layers; "
+            "the config does not match the file")
+    if tied_head is not None and tied_head in index and embedding in index:
+        head, table = index[tied_head], index[embedding]
+        if head.shape != table.shape or not torch.equal(read_tensor(head), read_tensor(table)):
+            raise FastpplError(
+                f"{source}: {tied_head} differs from {embedding}, but config.json ties them (tie_word_embeddings); "
+                "the config does not match the file")
+
+
+def check_stored(stored: StoredTensor, shape: tuple, source: str, hf_name: str) -> None:
+    """A checkpoint tensor holds weights of the shape the config implies."""
+    if not stored.dtype.is_floating_point:   # a conversion would turn integers into weights silently
+        raise FastpplError(f"{source}: {hf_name} holds {stored.dtype} values, not weights; the checkpoint is corrupt")
+    if tuple(stored.shape) != tuple(shape):
+        raise FastpplError(
+            f"{source}: {hf_name} has shape {tuple(stored.shape)}, config.json implies "
+            f"{tuple(shape)}; the checkpoint does not match its config"
+        )
