@@ -107,8 +107,9 @@ def test_qwen3_through_eval_equals_transformers(tmp_path, tokenizer_dir):
     hf.save_pretrained(tmp_path / "model")
     (tmp_path / "t.txt").write_text("To be, or not to be, that is the question. " * 3)
     result = evaluate(EvalConfig(model=str(tmp_path / "model"), data=[str(tmp_path / "t.txt")],
-                                 tokenizer=str(tokenizer_dir), device="cpu", dtype="fp32", ctx=64, quiet=True, per_token="unused.npy"))
-    per_token = torch.from_numpy(result.pop("_per_token"))
+                                 tokenizer=str(tokenizer_dir), device="cpu", dtype="fp32", ctx=64, quiet=True,
+                                 per_token="unused.npy"))
+    per_token = torch.from_numpy(result.per_token)
     assert result["backend"] == "native"
     ids = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))(
         "To be, or not to be, that is the question. " * 3)["input_ids"]

@@ -247,7 +247,7 @@ def load_model(spec: str, backend: str = "auto", dtype: torch.dtype = torch.floa
         reason = str(e) if family is None else f"the native {family.name} model does not implement {e}"
         if backend == "native":
             raise NoNativeModel(f"{spec}: {reason}; use --backend hf", reason) from None
-        return load_hf(f"auto: {reason}")
+        return load_hf(f"auto: {reason}" if family is None else f"auto: the native model does not implement {e}")
     index = gguf.index if gguf else None
     if is_compressed_tensors(hf_config):   # llm-compressor's weight-only schemes: dequantized as they are read
         index = compressed_index(checkpoint_index(directory), hf_config, str(directory))
