@@ -1,6 +1,6 @@
 """The one place that decides and applies fastppl's performance transforms for a built model and a run: the loss
-kernel, torch.compile, the batching mode, the fused GPT-2 MLP epilogue and residual norms (CUDA, eager), and
-tuned cuBLASLt products. `fastppl eval` (fastppl.pipeline) and `fastppl bench` call these same functions, so the
+kernel, torch.compile, the batching mode, the fused GPT-2 MLP epilogue and residual norms and the fused Llama trunk
+(CUDA, eager), and tuned cuBLASLt products. `fastppl eval` (fastppl.pipeline) and `fastppl bench` call these same functions, so the
 bench times what eval runs."""
 from __future__ import annotations
 
@@ -64,19 +64,25 @@ def choose_acceleration(model: nn.Module, device: torch.device, dtype: torch.dty
 
 def apply_fusions(model: nn.Module, device: torch.device, acceleration: Acceleration) -> Acceleration:
     """On CUDA with an eager scorer: GPT-2's MLP bias + GELU in the first product's epilogue, and its residual
-    adds inside the projections with the bias sums in the LayerNorms. Fusions applied before are undone first,
+    adds inside the projections with the bias sums in the LayerNorms; the Llama family's fused trunk. Fusions applied before are undone first,
     so that one model can be accelerated again for another choice (the bench's variants)."""
     unfuse_mlp_epilogue(model)
     if getattr(model, "fused_norms", None) is not None:   # of an earlier choice (fused_norm imports Triton: only then)
         from .fused_norm import unfuse_residual_norms
         unfuse_residual_norms(model)
+    if getattr(model, "fused_trunk", None) is not None:
+        from .fused_llama import unfuse_llama_trunk
+        unfuse_llama_trunk(model)
     mlp, norms = "plain", "plain"
     if device.type == "cuda" and not acceleration.compiled:
+        from .fused_llama import fuse_llama_trunk
         from .fused_norm import fuse_residual_norms
         if fuse_mlp_epilogue(model):
             mlp = "fused bias+GELU (cuBLASLt)"
         if fuse_residual_norms(model):
             norms = "residual adds inside the projections (cuBLAS), bias sums in the LayerNorms (Triton)"
+        elif fuse_llama_trunk(model):
+            norms = "residual adds inside the projections (cuBLAS); RMSNorm, RoPE and SwiGLU in Triton kernels"
     return dataclasses.replace(acceleration, mlp_epilogue=mlp, residual_norms=norms)
 
 

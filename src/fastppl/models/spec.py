@@ -22,6 +22,16 @@ class ResidualNormKernels(NamedTuple):
     linear: Callable
 
 
+class LlamaTrunkKernels(NamedTuple):
+    """rms_norm(x (M, C), weight, eps) -> its RMSNorm; rotate_queries_and_keys_(qkv, cos, sin, n_heads, head_dim)
+    rotates the first n_heads heads of each qkv row in place; swiglu(gate_up (M, 2I)) -> silu(gate) * up (M, I);
+    linear as ResidualNormKernels'."""
+    rms_norm: Callable
+    rotate_queries_and_keys_: Callable
+    swiglu: Callable
+    linear: Callable
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The sizes that the memory bound (accel.batch_size) and the FLOP count (bench.dense) need."""
@@ -73,6 +83,8 @@ class ModelSpec:
     # fusions the family offers, applied by fastppl.accel.apply on CUDA with an eager scorer
     # forward(model, input_ids, position_ids, document_ids, kernels=ResidualNormKernels): the fused-norm forward
     fused_norm_forward: Optional[Callable] = None
+    # forward(model, input_ids, position_ids, document_ids, kernels=LlamaTrunkKernels): the fused-trunk forward
+    fused_trunk_forward: Optional[Callable] = None
     gelu_mlp_class: Optional[type] = None            # MLP modules whose fc + tanh GELU a cuBLASLt epilogue can run
     fused_decode: bool = False                       # fastppl.accel.fused_decode's Triton decode step applies
 
