@@ -317,11 +317,12 @@ def test_the_fused_scorer_runs_the_loss_on_the_scored_positions_only(monkeypatch
     rows_in.clear()
     every_position, _ = run(lambda *args: fused(*args))          # a wrapper that does not say it gathers
     assert rows_in == [5 * ctx] * len(n_scored)
-    # a row's NLL does not depend on which rows share its launch: the same bits, not merely close ones
+    # a row's NLL does not depend on which rows share its launch. On a GPU the same bits (tests/test_gpu.py);
+    # Triton's interpreter computes tl.dot with numpy, whose products may round a row's last bit by its block
     scored = ~torch.isnan(every_position.per_token)
     assert torch.equal(scored, ~torch.isnan(gathered.per_token))
-    assert torch.equal(gathered.per_token[scored], every_position.per_token[scored])
-    assert gathered.nll_sum.item() == every_position.nll_sum.item()
+    assert (gathered.per_token[scored] - every_position.per_token[scored]).abs().max().item() <= 2e-6
+    assert gathered.nll_sum.item() == pytest.approx(every_position.nll_sum.item(), rel=1e-7)
 
 
 def _never_probe(rows):
