@@ -240,6 +240,9 @@ def benchmark_commands(args, scratch: Path) -> dict[str, tuple[list[str], float]
         "loss": ([*device, "--shapes", "gpt2,llama-1b", "--rounds", "3", "--reps", "5", "--no-compile"], 60),
         "scorer": ([*device, "--model", "gpt2", "--batch", "32", "--seq", "1024", "--variants",
                     "eager,eager-plain,chunked-eager", "--rounds", "2", "--batches", "5", "--warmup", "2"], 60),
+        # the Llama family's fused trunk (eager) against the plain modules (eager-plain)
+        "scorer llama-1b": ([*device, "--model", "llama-1b", "--batch", "8", "--seq", "2048", "--variants",
+                             "eager,eager-plain", "--rounds", "2", "--batches", "4", "--warmup", "1"], 70),
         "end_to_end": (["--model", "random:gpt2", *device, "--runs", "2", *tokenizer, "--data", data], 75),
         "divergence": (["--model", "gpt2", *device, "--ctx", "1024", *tokenizer, "--data", data,
                         "--logits-dir", str(scratch)], 100),
@@ -287,10 +290,10 @@ def figures_of(name: str, output: str) -> list[dict]:
             peer = "F.cross_entropy, full logits"
             add(f"loss, {shape}: ms", f"{ours} {losses.get(ours)}", losses.get(ours), f"{peer} {losses.get(peer)}",
                 losses.get(peer), True)
-    elif name == "scorer" and tables:
+    elif name.startswith("scorer") and tables:
         rows = {r["variant"]: _number(r["tokens/s"]) for r in tables[0]}
-        for peer in ("eager-plain", "chunked-eager"):
-            add(f"scorer: tokens/s, eager (as eval runs) vs {peer}", f"eager {rows.get('eager')}", rows.get("eager"),
+        for peer in ("eager-plain", "chunked-eager")[:2 if name == "scorer" else 1]:
+            add(f"{name}: tokens/s, eager (as eval runs) vs {peer}", f"eager {rows.get('eager')}", rows.get("eager"),
                 f"{peer} {rows.get(peer, 'not run here')}", rows.get(peer), False)
     elif name == "end_to_end" and tables:
         runs = tables[0]
@@ -388,7 +391,8 @@ def run_benchmarks(args, outdir: Path, env: dict, scratch: Path, clock: Clock, e
     """Each benchmark in turn under its time limit; summary.md rewritten after each (a kill leaves the ones done)."""
     benchmarks = {}
     for name, (arguments, limit) in benchmark_commands(args, scratch).items():
-        process = start([sys.executable, str(BENCHMARKS / f"{name}.py"), *arguments], outdir / "bench.log", env)
+        script = BENCHMARKS / f"{name.split()[0]}.py"   # "scorer llama-1b": scorer.py on another model
+        process = start([sys.executable, str(script), *arguments], outdir / "bench.log", env)
         status, seconds = finish(process, min(limit, max(clock.left(), 1.0)))
         output = _stage_output(outdir / "bench.log")
         benchmarks[name] = {"status": status, "seconds": round(seconds, 1), "figures": figures_of(name, output)}
