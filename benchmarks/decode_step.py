@@ -68,8 +68,8 @@ def main(argv=None) -> int:
     print("| batch | variant | decode step | ms a step | tokens/s | first token ms |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['batch']} | {r['variant']} | {r['step']} | {r['ms_per_step']:.3f} | {r['tokens_per_second']:,.0f} | "
-              f"{r['first_token_ms']:.1f} |")
+        print(f"| {r['batch']} | {r['variant']} | {r['step']} | {r['ms_per_step']:.3f} | "
+              f"{r['tokens_per_second']:,.0f} | {r['first_token_ms']:.1f} |")
     return 0
 
 

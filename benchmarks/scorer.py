@@ -63,7 +63,8 @@ def plan_variants(names, model, device, dtype, log) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="gpt2", help="a random: preset (gpt2, gpt2-medium, llama-1b, gpt2-tiny, ...)")
+    parser.add_argument("--model", default="gpt2",
+                        help="a random: preset (gpt2, gpt2-medium, llama-1b, gpt2-tiny, ...)")
     parser.add_argument("--batch", type=int, default=64, help="rows a batch")
     parser.add_argument("--seq", type=int, default=1024, help="positions a row")
     parser.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")

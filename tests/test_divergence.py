@@ -331,7 +331,7 @@ def test_two_ranks_equal_one_process(tmp_path, tokenizer_dir, text_path):
     cases = {"chunked": ["--data", str(text_path), "--ctx", "32", "--batch-size", "3"],
              "sliding": ["--data", str(text_path), "--window", "sliding", "--ctx", "32", "--stride", "12"],
              "docs": ["--data", str(docs), "--ctx", "16", "--batch-size", "2"]}
-    outputs = lambda where, name: ["--json", str(where / f"{name}.json"), "--per-token", str(where / f"{name}.npy")]
+    outputs = lambda where, name: ["--json", str(where / f"{name}.json"), "--per-token", str(where / f"{name}.npy")]  # noqa: E731
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()
     two.mkdir()

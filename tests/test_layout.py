@@ -105,7 +105,8 @@ def test_the_dependency_rule_between_packages():
     assert not broken, broken
 
 
-HISTORY = re.compile(r"session [0-9]|issue [0-9]|the issue'?s\b|dev[c]ache|\$OUT", re.IGNORECASE)   # [c]: not a hit itself
+# [c]: not a hit itself
+HISTORY = re.compile(r"session [0-9]|issue [0-9]|the issue'?s\b|dev[c]ache|\$OUT", re.IGNORECASE)
 
 
 def test_the_repository_speaks_of_the_product_not_of_its_history():

@@ -48,7 +48,8 @@ def run_cli(args, kill_after=None, fault=None):
         fault = f"kill-after-batches:{kill_after}"
     if fault is not None:
         env["FASTPPL_FAULT"] = fault
-    return subprocess.run([sys.executable, "-m", "fastppl", *args], env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "fastppl", *args], env=env, capture_output=True, text=True,
+                          timeout=300)
 
 
 def checkpoint_meta(directory: Path) -> tuple[dict, np.ndarray]:
@@ -57,7 +58,8 @@ def checkpoint_meta(directory: Path) -> tuple[dict, np.ndarray]:
 
 
 @pytest.mark.slow   # processes killed and rerun
-def test_killed_at_random_batches_then_resumed_gives_exactly_the_uninterrupted_result(tokenizer_dir, corpus_dir, tmp_path):
+def test_killed_at_random_batches_then_resumed_gives_exactly_the_uninterrupted_result(tokenizer_dir, corpus_dir,
+                                                                                      tmp_path):
     reference_dir, resumed_dir, checkpoint_dir = (tmp_path / name for name in ("reference", "resumed", "ckpt"))
     reference_dir.mkdir()
     resumed_dir.mkdir()

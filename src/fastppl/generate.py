@@ -159,7 +159,8 @@ class _TorchSteps:
         s = self.sampling
         token, finished = self.step_fn(self.model, self.token[:, None], self.input_pos, self.pad, self.finished,
                                        self.cache_len, self.eos, s.temperature, s.top_k, s.top_p, self.aligned_head)
-        self.token, self.finished = token.clone(), finished.clone()   # a graph's outputs: overwritten by its next replay
+        # a graph's outputs: overwritten by its next replay
+        self.token, self.finished = token.clone(), finished.clone()
         self.input_pos += 1
         self.outputs.append(self.token)
 

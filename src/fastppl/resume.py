@@ -161,7 +161,8 @@ class Checkpointer:
         if type(done) is not int or not 0 <= done <= len(self.plans) or finished is None or finished.dtype != bool:
             raise unreadable
         if not np.array_equal(finished, finished_windows(self.plans, done, self.n_windows)):
-            raise FastpplError(f"{self.path}: its finished windows do not match this run's plan; delete it to start over")
+            raise FastpplError(f"{self.path}: its finished windows do not match this run's plan; "
+                               "delete it to start over")
         restored = {}
         for name in SUM_FIELDS:
             tensor = getattr(sums, name)

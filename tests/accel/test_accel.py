@@ -66,7 +66,6 @@ def test_a_failing_on_batch_hook_is_not_taken_for_the_batch_running_out_of_memor
 
 def test_the_report_says_when_batches_were_cut_for_memory(monkeypatch, tmp_path, tokenizer_dir):
     import fastppl.engine.score as score
-    import fastppl.pipeline as pipeline
     real_score_batches = score.score_batches
 
     def flaky(score_fn, batches, *args, **kwargs):
@@ -139,7 +138,8 @@ def _bench_report(rates: dict, ceiling: float, peak: int) -> dict:
     """A one-round bench report with the given {peer: tokens/s}; fastppl's ratio against each when it ran."""
     fast = rates.get("fastppl")
     rows = [{"name": name, "tokens": 1000, "seconds": 1000 / rate, "tokens_per_second": rate,
-             "share_of_ceiling": rate * 2 / ceiling, "nll": 10.0, "peak_memory_bytes": None if name == "fastppl" else peak,
+             "share_of_ceiling": rate * 2 / ceiling, "nll": 10.0,
+             "peak_memory_bytes": None if name == "fastppl" else peak,
              "fastppl_speedup": fast / rate if fast else None, "note": f"{name}, warm-up 3.0 s"}
             for name, rate in rates.items()]
     return {"model": "random:x", "seq_len": 8, "batch_size": 2, "device_name": "cpu", "torch": "t",
@@ -301,7 +301,8 @@ def test_the_fused_scorer_runs_the_loss_on_the_scored_positions_only(monkeypatch
     refs = [WindowRef(0, w) for w in sliding_windows(n_tokens, ctx, stride)]
     rows_in, real_kernel = [], fused_loss.fused_token_nll
     monkeypatch.setattr(fused_loss, "fused_token_nll",
-                        lambda hidden, *args, **kwargs: rows_in.append(hidden.shape[0]) or real_kernel(hidden, *args, **kwargs))
+                        lambda hidden, *args, **kwargs: rows_in.append(hidden.shape[0])
+                        or real_kernel(hidden, *args, **kwargs))
 
     def run(score_fn):
         sums = DeviceSums.zeros(ctx, torch.device("cpu"), n_tokens)

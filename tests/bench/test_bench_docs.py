@@ -33,7 +33,8 @@ def test_tiny_docs_bench_through_the_cli(tmp_path, capsys):
     waste = {name: r["padding_waste"] for name, r in rows.items()}
     assert 0 <= waste["packed"] <= waste["bucketed"] < waste["padded"]
     assert report["packed_padding_waste"] == waste["packed"]
-    assert report["packed_over_dense"] == pytest.approx(rows["packed"]["tokens_per_second"] / rows["dense"]["tokens_per_second"])
+    assert report["packed_over_dense"] == pytest.approx(
+        rows["packed"]["tokens_per_second"] / rows["dense"]["tokens_per_second"])
     assert report["packed_over_baseline"] == pytest.approx(
         rows["packed"]["tokens_per_second"] / rows["baseline"]["tokens_per_second"])
     assert set(report["targets_met"]) == {"packed_over_dense", "packed_over_baseline", "packed_padding_waste"}

@@ -116,4 +116,5 @@ def test_bench_generate_on_cuda(dtype):
     assert all(r["decode_tokens_per_second"] > 0 and r["working_memory_bytes"] >= 0 for r in rows.values())
     # fp32 on the GPU: kernels differ from transformers' (not bit-equal as on the CPU), near-ties are rare
     minimum = 0.9 if dtype == "fp32" else 0.0
-    assert rows["hf-static"]["equal_prefix_fraction"] >= minimum and rows["hf-dynamic"]["equal_prefix_fraction"] >= minimum
+    assert rows["hf-static"]["equal_prefix_fraction"] >= minimum
+    assert rows["hf-dynamic"]["equal_prefix_fraction"] >= minimum

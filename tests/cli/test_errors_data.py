@@ -36,7 +36,8 @@ def test_a_loop_of_symbolic_links_is_named_as_one(tmp_path, outputs, tokenizer_d
     (documents / "b.txt").symlink_to(documents / "b.txt")
     json_path, npy_path = outputs
     for args, fragment in [
-        (_args(TINY, loop, outputs, tokenizer_dir), f"{loop}: is a loop of symbolic links, not a file; check the --data"),
+        (_args(TINY, loop, outputs, tokenizer_dir),
+         f"{loop}: is a loop of symbolic links, not a file; check the --data"),
         (_args(TINY, loop / "a.txt", outputs, tokenizer_dir), "a.txt: is a loop of symbolic links, not a file"),
         (_args(loop, documents, outputs, tokenizer_dir), f"{loop}: is a loop of symbolic links, not a model directory"),
         (_args(TINY, documents / "a.txt", outputs, loop), "is a loop of symbolic links, not a tokenizer directory"),

@@ -54,8 +54,9 @@ def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path, text, tokenizer_
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     report = tmp_path / "r.json"
-    proc = subprocess.Popen([sys.executable, "-m", "fastppl", "eval", "--model", TINY, "--data", str(text), "--tokenizer",
-                             str(tokenizer_dir), "--device", "cpu", "--quiet", "--ctx", "16", "--json", str(report)],
+    proc = subprocess.Popen([sys.executable, "-m", "fastppl", "eval", "--model", TINY, "--data", str(text),
+                             "--tokenizer", str(tokenizer_dir), "--device", "cpu", "--quiet", "--ctx", "16",
+                             "--json", str(report)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     proc.stdout.close()   # long before the summary: the process is still importing torch
     err = proc.stderr.read().decode()

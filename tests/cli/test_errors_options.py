@@ -97,7 +97,8 @@ def test_generate_options_that_would_be_ignored_or_crash(extra, fragment, tokeni
     (["--nproc", "2", "--compile", "on", "--peers", "naive", "--variants"],
      "--variants, --peers, --compile do not apply to --nproc (--variants, --peers: the peers' bench (--corpus "
      "dense); --compile: the peers' bench (--corpus dense) and --corpus docs)"),
-    (["--nproc", "2", "--naive-tokens", "7", "--documents", "5"], "--naive-tokens, --documents do not apply to --nproc"),
+    (["--nproc", "2", "--naive-tokens", "7", "--documents", "5"],
+     "--naive-tokens, --documents do not apply to --nproc"),
     (["--tokenizer", "x", "--documents", "5"], "--documents, --tokenizer do not apply to the peers' bench"),
     (["--corpus", "docs", "--tokens", "100"], "--tokens do not apply to --corpus docs (--tokens: the peers' bench"),
 ])

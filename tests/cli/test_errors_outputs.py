@@ -195,7 +195,7 @@ def test_resume_directory_is_kept_apart_from_inputs_and_outputs(tmp_path, tokeni
     base = ["eval", "--model", TINY, "--tokenizer", str(tokenizer_dir), "--device", "cpu", "--quiet",
             "--data", str(corpus)]
     for extra, fragment in [
-        (["--resume", str(corpus)], "--resume"),                                         # the checkpoint would join the corpus
+        (["--resume", str(corpus)], "--resume"),   # the checkpoint would join the corpus
         (["--resume", str(resume), "--json", str(resume / "checkpoint.npz")], "is or lies inside --resume"),
         (["--resume", str(resume), "--json", str(resume)], "is or lies inside --resume"),
     ]:

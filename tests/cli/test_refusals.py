@@ -84,7 +84,8 @@ REFUSALS = [
     # options of another option
     (["--checkpoint-seconds", "5"], "--checkpoint-seconds and --checkpoint-batches apply with --resume only"),
     (["--checkpoint-batches", "3"], "--checkpoint-seconds and --checkpoint-batches apply with --resume only"),
-    (["--reference-seed", "2"], "--reference-seed applies with --reference-model only; add --reference-model or drop it"),
+    (["--reference-seed", "2"],
+     "--reference-seed applies with --reference-model only; add --reference-model or drop it"),
     (["--reference-device", "cpu"], "--reference-device applies with --reference-model only"),
     (["--reference-model", "{model}", "--loss", "fused"],
      "--loss fused does not work with --reference-model (both models' divergence runs its own chunked kernel over "
@@ -185,7 +186,8 @@ def test_a_text_shorter_than_a_block_names_ctx_and_both_numbers(tmp_path, output
                        "--protocol llama.cpp needs at least 2 x --ctx = 16 tokens, and the text has 7; lower --ctx "
                        "to 3 or less, or pass a longer text\n")
     _assert_user_error(*_main(capsys, _args(TINY, text, outputs, tokenizer_dir, "--protocol", "gptq",
-                                            "--ctx", "8")), outputs, "; lower --ctx to 7 or less, or pass a longer text\n")
+                                            "--ctx", "8")), outputs,
+                       "; lower --ctx to 7 or less, or pass a longer text\n")
 
 
 BENCH_REFUSALS = [

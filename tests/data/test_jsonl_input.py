@@ -34,10 +34,12 @@ GOOD = json.dumps({"id": "a", "text": "It is a tale told by an idiot, full of so
 
 
 @pytest.mark.parametrize("line, message", [
-    ('{"id": "b", "text": "x", "n": ' + "7" * 5000 + "}", "an integer of more than 4,300 digits, more than Python reads"),
-    ('{"id": "b", "text": "x", "n": ' + DEEP + "}", "JSON nested more than 500 levels deep, deeper than Python reads"),
-    ('{"id": "b", "text": "bad \\ud800 text"}', "field 'text' holds a lone surrogate (\\ud800 at character 4), which is "
-                                                "not valid Unicode"),
+    ('{"id": "b", "text": "x", "n": ' + "7" * 5000 + "}",
+     "an integer of more than 4,300 digits, more than Python reads"),
+    ('{"id": "b", "text": "x", "n": ' + DEEP + "}",
+     "JSON nested more than 500 levels deep, deeper than Python reads"),
+    ('{"id": "b", "text": "bad \\ud800 text"}',
+     "field 'text' holds a lone surrogate (\\ud800 at character 4), which is not valid Unicode"),
     ('{"id": "b", "text": "bad \\udfff"}', "field 'text' holds a lone surrogate (\\udfff at character 4), which is "
                                           "not valid Unicode"),
 ], ids=["long integer", "deep nesting", "lone high surrogate", "lone low surrogate"])

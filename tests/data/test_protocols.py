@@ -93,7 +93,8 @@ def raw_rows(path) -> list[str]:
 
 def test_block_windows_worked_example():
     assert [(w.start, w.length, w.score_from) for w in block_windows(7, 3)] == [(0, 2, 0), (3, 2, 0)]
-    assert [(w.start, w.score_from) for w in block_windows(20, 4, score_from=2, max_blocks=3)] == [(0, 2), (4, 2), (8, 2)]
+    assert [(w.start, w.score_from) for w in block_windows(20, 4, score_from=2, max_blocks=3)] == [
+        (0, 2), (4, 2), (8, 2)]
 
 
 def test_wikitext_rows_are_the_datasets_builders(data_dir):
@@ -200,7 +201,8 @@ class _FakeDataset:
 
 def test_dataset_revision_from_the_cache_folder():
     cached = types.SimpleNamespace(info=types.SimpleNamespace(download_checksums=None),
-                                   cache_files=[{"filename": "/c/wikitext/wikitext-2-raw-v1/0.0.0/" + "ab" * 20 + "/t.arrow"}])
+                                   cache_files=[{"filename": "/c/wikitext/wikitext-2-raw-v1/0.0.0/" + "ab" * 20
+                                                 + "/t.arrow"}])
     assert dataset_revision(cached) == "ab" * 20
     assert dataset_revision(types.SimpleNamespace()) is None
 

@@ -219,7 +219,8 @@ def test_tokenizer_json_fast_path_equals_transformers(tokenizer_dir, shakespeare
     reference = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     text = shakespeare.read_text()[:20000] + " 東京 😀 é́ \r\n\t  tabs<|endoftext|>end"
     assert fast.encode(text).tolist() == reference(text, add_special_tokens=False)["input_ids"]
-    assert (fast.bos_id, fast.eos_id, fast.vocab_size) == (reference.bos_token_id, reference.eos_token_id, len(reference))
+    assert (fast.bos_id, fast.eos_id, fast.vocab_size) == (reference.bos_token_id, reference.eos_token_id,
+                                                           len(reference))
     assert fast.decode(fast.encode(text)) == text
 
 
@@ -267,7 +268,8 @@ def test_hub_tokenizer_goes_through_the_fast_path(tokenizer_dir, monkeypatch):
 
 
 def test_vocab_and_merges_alone_tokenise_as_tokenizer_json(tmp_path, tokenizer_dir, shakespeare, gpt2):
-    """GPT-2's original files without tokenizer.json (docs/llama-and-generation.md lists the layout): the same ids, BOS and EOS."""
+    """GPT-2's original files without tokenizer.json (docs/llama-and-generation.md lists the layout): the same ids,
+    BOS and EOS."""
     bare = tmp_path / "bare"
     bare.mkdir()
     for name in ("vocab.json", "merges.txt"):

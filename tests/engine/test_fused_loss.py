@@ -62,8 +62,8 @@ def test_descriptors_only_where_they_pay_and_the_alignment_allows():
     w = torch.randn(100, 12, device=DEVICE).half()
     assert not fused_loss._tma_fits(h, w)
     assert not fused_loss._tma_fits(torch.randn(40, 16, device=DEVICE), torch.randn(100, 16, device=DEVICE))
-    assert fused_loss._tma_fits(torch.randn(40, 16, device=DEVICE).half(), torch.randn(100, 16, device=DEVICE).half()) == (
-        fused_loss.TensorDescriptor is not None and fused_loss._has_tma(torch.device(DEVICE)))
+    fits = fused_loss._tma_fits(torch.randn(40, 16, device=DEVICE).half(), torch.randn(100, 16, device=DEVICE).half())
+    assert fits == (fused_loss.TensorDescriptor is not None and fused_loss._has_tma(torch.device(DEVICE)))
     t = torch.randint(0, 100, (40,), device=DEVICE)
     out = fused_loss.fused_token_nll(h, w, t, block_m=32, block_n=64, block_k=32)
     assert (out.double() - _reference(h, w, t, None)).abs().max().item() <= MAX_ABS_ERROR
@@ -71,7 +71,8 @@ def test_descriptors_only_where_they_pay_and_the_alignment_allows():
 
 def test_no_rows_launches_nothing():
     w = torch.randn(100, 16, device=DEVICE).half()
-    out = fused_loss.fused_token_nll(torch.empty(0, 16, device=DEVICE).half(), w, torch.empty(0, dtype=torch.long, device=DEVICE))
+    out = fused_loss.fused_token_nll(torch.empty(0, 16, device=DEVICE).half(), w,
+                                     torch.empty(0, dtype=torch.long, device=DEVICE))
     assert out.shape == (0,) and out.dtype == torch.float32
 
 

@@ -45,7 +45,8 @@ CASES = {
 def _tiny_hf(config_class: str, model_class: str, fields: dict):
     torch.manual_seed(0)
     hf = getattr(transformers, model_class)(getattr(transformers, config_class)(**fields)).eval()
-    with torch.no_grad():   # larger than the 0.02 init, and no unit norms or zero biases for a wrong name to hide behind
+    # larger than the 0.02 init, and no unit norms or zero biases for a wrong name to hide behind
+    with torch.no_grad():
         for name, p in hf.named_parameters():
             p.add_(torch.randn_like(p) * (0.05 if "norm" in name or "ln" in name else 0.1))
     return hf
@@ -60,7 +61,8 @@ def _hf_nll(hf, ids: torch.Tensor) -> torch.Tensor:
 def _native_nll(model, ids: torch.Tensor) -> torch.Tensor:
     inputs, targets = ids[:, :-1], ids[:, 1:]
     with torch.no_grad():
-        return make_score_fn(model, chunk_rows=37)(inputs, targets, torch.ones_like(inputs, dtype=torch.bool)).reshape(-1)
+        score = make_score_fn(model, chunk_rows=37)
+        return score(inputs, targets, torch.ones_like(inputs, dtype=torch.bool)).reshape(-1)
 
 
 def _max_rel(got: torch.Tensor, expected: torch.Tensor) -> float:

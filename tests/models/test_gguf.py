@@ -86,7 +86,8 @@ def _write_llama_family(path, hf_model, architecture: str, tokenizer, matrix_typ
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_dimension_count(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_rope_dimension_count(head_dim)
     _add_tokenizer(writer, tokenizer)
     state = hf_model.state_dict()
     matrix_type = matrix_type or _matrix_type
@@ -256,7 +257,8 @@ def _llama3_rope_freqs(theta: float, head_dim: int, rope: dict) -> torch.Tensor:
         elif wavelength > low:
             divisors.append(rope["factor"])
         else:
-            smooth = (original / wavelength - rope["low_freq_factor"]) / (rope["high_freq_factor"] - rope["low_freq_factor"])
+            low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+            smooth = (original / wavelength - low) / (high - low)
             divisors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
     return torch.tensor(divisors, dtype=torch.float32)
 
@@ -345,7 +347,8 @@ def _bad_files(llama_path, directory):
         "header-cut.gguf": "ends inside its GGUF header; the file is truncated",
         "data-cut.gguf": "runs past the end of the file",
         "magic.gguf": ("not a GGUF file", _patched(llama_path, directory / "magic.gguf", 0, b"GGUX")),
-        "type99.gguf": ("GGML type id 99", _patched(llama_path, directory / "type99.gguf", type_at, bytes([99, 0, 0, 0]))),
+        "type99.gguf": ("GGML type id 99",
+                        _patched(llama_path, directory / "type99.gguf", type_at, bytes([99, 0, 0, 0]))),
         "iq2.gguf": ("GGML type IQ2_XXS", _patched(llama_path, directory / "iq2.gguf", type_at, bytes([16, 0, 0, 0]))),
         "mamba.gguf": "GGUF architecture 'mamba' is not one fastppl runs",
     }

@@ -179,8 +179,8 @@ def test_a_bf16_load_holds_the_model_once_in_host_memory(tmp_path, checkpoint):
         (directory / "config.json").write_text(json.dumps(llama_config_to_hf(config)))
     file_bytes = (directory / "model.safetensors").stat().st_size
     tiny = _save_gpt2(tmp_path / "tiny", torch.bfloat16)
-    done = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(tiny), str(directory)], capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), check=True)
+    done = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(tiny), str(directory)], capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), check=True)
     added_kib = int(done.stdout.split()[0])
     assert added_kib * 1024 <= 1.15 * file_bytes, (added_kib * 1024 / file_bytes, done.stdout)
 

@@ -93,7 +93,8 @@ def test_compare_table_shows_the_differences(tmp_path, capsys):
 
     assert main(["compare", a, b, "--markdown"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("| run | model | corpus | window | tokens | NLL | ΔNLL |") and lines[1].startswith("| --- |")
+    assert lines[0].startswith("| run | model | corpus | window | tokens | NLL | ΔNLL |")
+    assert lines[1].startswith("| --- |")
     assert lines[3].startswith("| bf16 |") and "| +0.100000 |" in lines[3] and "| chunked 4 |" in lines[3]
     sliding = write(tmp_path / "sliding.json", dict(make_result(), window="sliding", stride=2,
                                                     config=dict(make_result()["config"], bos=True)))
@@ -309,7 +310,8 @@ def test_comparison_figures(tmp_path, capsys):
     assert png_size(tmp_path / "docs.png") == (800, 450)
 
     one_doc = [dict(DOCS_A[0])]   # a histogram of one document per run says nothing: the loss by position only
-    single_a, single_b = write(tmp_path / "sa.json", result_of(one_doc)), write(tmp_path / "sb.json", result_of(one_doc))
+    single_a = write(tmp_path / "sa.json", result_of(one_doc))
+    single_b = write(tmp_path / "sb.json", result_of(one_doc))
     docs_single = write_docs(tmp_path / "single.jsonl", one_doc)
     assert main(["compare", single_a, single_b, "--per-doc", docs_single, docs_single, "--plot", str(plot)]) == 0
     assert png_size(plot) == (800, 450)
@@ -423,7 +425,8 @@ def test_a_malformed_bootstrap_field_is_a_one_line_error(tmp_path, capsys):
     bad = {**good, "bootstrap": {**good["bootstrap"], "resampled": {**good["bootstrap"]["resampled"], "tokens": [1]}}}
     a, b = write(tmp_path / "a.json", good), write(tmp_path / "b.json", bad)
     assert main(["compare", a, b]) == 2
-    assert "b.json: not a fastppl eval report ('bootstrap.resampled.tokens' has the wrong type)" in one_line_error(capsys)
+    expected = "b.json: not a fastppl eval report ('bootstrap.resampled.tokens' has the wrong type)"
+    assert expected in one_line_error(capsys)
 
 
 def test_a_per_doc_file_written_with_raw_unicode_line_separators_reads_as_its_lines(tmp_path):

@@ -65,7 +65,8 @@ def test_a_file_larger_than_any_report_is_refused(tmp_path, capsys, monkeypatch)
     monkeypatch.setattr("fastppl.report.inputs.MAX_INPUT_BYTES", 1000)
     a, large = write(tmp_path / "a.json", report()), write(tmp_path / "large.json", report(padding="x" * 1000))
     assert "large.json: is larger than" in one_line_error(capsys, [a, large])
-    assert "docs.jsonl: is larger than" in one_line_error(capsys, ["--per-doc", write(tmp_path / "docs.jsonl", "x" * 1001)])
+    per_doc = write(tmp_path / "docs.jsonl", "x" * 1001)
+    assert "docs.jsonl: is larger than" in one_line_error(capsys, ["--per-doc", per_doc])
 
 
 def _altered(change):

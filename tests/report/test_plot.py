@@ -113,7 +113,8 @@ def _empty_model_dir(tmp_path):
     ("out.jpg", "ending in .png"), ("missing-dir/out.png", "does not exist"),
 ])
 def test_bad_plot_path_fails_before_the_work(tmp_path, capsys, bad, message):
-    rc = main(["eval", "--model", str(_empty_model_dir(tmp_path)), "--data", "nowhere.txt", "--plot", str(tmp_path / bad)])
+    rc = main(["eval", "--model", str(_empty_model_dir(tmp_path)), "--data", "nowhere.txt",
+               "--plot", str(tmp_path / bad)])
     assert rc == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1

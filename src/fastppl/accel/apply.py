@@ -1,7 +1,7 @@
 """The one place that decides and applies fastppl's performance transforms for a built model and a run: the loss
 kernel, torch.compile, the batching mode, the fused GPT-2 MLP epilogue and residual norms and the fused Llama trunk
-(CUDA, eager), and tuned cuBLASLt products. `fastppl eval` (fastppl.pipeline) and `fastppl bench` call these same functions, so the
-bench times what eval runs."""
+(CUDA, eager), and tuned cuBLASLt products. `fastppl eval` (fastppl.pipeline) and `fastppl bench` call these same
+functions, so the bench times what eval runs."""
 from __future__ import annotations
 
 import contextlib
@@ -64,8 +64,9 @@ def choose_acceleration(model: nn.Module, device: torch.device, dtype: torch.dty
 
 def apply_fusions(model: nn.Module, device: torch.device, acceleration: Acceleration) -> Acceleration:
     """On CUDA with an eager scorer: GPT-2's MLP bias + GELU in the first product's epilogue, and its residual
-    adds inside the projections with the bias sums in the LayerNorms; the Llama family's fused trunk. Fusions applied before are undone first,
-    so that one model can be accelerated again for another choice (the bench's variants)."""
+    adds inside the projections with the bias sums in the LayerNorms; the Llama family's fused trunk. Fusions
+    applied before are undone first, so that one model can be accelerated again for another choice (the bench's
+    variants)."""
     unfuse_mlp_epilogue(model)
     if getattr(model, "fused_norms", None) is not None:   # of an earlier choice (fused_norm imports Triton: only then)
         from .fused_norm import unfuse_residual_norms

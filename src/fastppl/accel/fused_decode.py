@@ -136,7 +136,8 @@ class FusedGPT2Decoder:
             self.chunk_out = torch.empty(B, config.n_head, self.n_chunks, config.head_dim, **f32)
             self.chunk_max = torch.empty(B, config.n_head, self.n_chunks, **f32)
             self.chunk_sum = torch.empty(B, config.n_head, self.n_chunks, **f32)
-            self.arrived = torch.zeros(B * config.n_head, dtype=torch.int32, device=device)   # reset by each last program
+            # reset by each last program
+            self.arrived = torch.zeros(B * config.n_head, dtype=torch.int32, device=device)
             self.n_vocab_blocks = -(-config.vocab_size // self._block_n(config.vocab_size, C))
             self.block_max = torch.empty(B, self.n_vocab_blocks, **f32)
             self.block_arg = torch.empty(B, self.n_vocab_blocks, dtype=torch.int32, device=device)
@@ -246,7 +247,7 @@ class FusedGPT2Decoder:
         saved = self._save_state()
         try:
             self._launch_step()
-        except Exception as error:   # noqa: BLE001: whatever the toolchain raises
+        except Exception as error:   # noqa: BLE001 -- whatever the toolchain raises
             dependent, self.dependent = self.dependent, {}
             self._restore_state(saved)   # kernels that ran before the failure advanced nothing else
             try:

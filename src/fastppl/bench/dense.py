@@ -237,7 +237,7 @@ def _time_fastppl_rows(native, rows: np.ndarray, batch_size: int, device: torch.
         return
     # the same weights for every variant: apply_fusions undoes the last variant's fusions, and the Dynamo
     # reset keeps a variant from silently reusing another's compiled graph
-    options = [(l, c) for l in ("chunked", "fused") for c in ((True, False) if on_cuda else (False,))]
+    options = [(loss, c) for loss in ("chunked", "fused") for c in ((True, False) if on_cuda else (False,))]
     for variant_loss, variant_compile in options:
         if (variant_loss, variant_compile) == (acceleration.loss, acceleration.compiled):
             continue
@@ -331,7 +331,8 @@ def merge_rounds(reports: list[dict]) -> dict:
 def format_table(report: dict) -> str:
     rounds = report.get("rounds", 1)
     lines = [f"fastppl bench  {report['model']}  seq {report['seq_len']}  batch {report['batch_size']}  "
-             f"{report['device_name']}  torch {report['torch']}  ceiling {report['matmul_ceiling_flops'] / 1e12:.3g} TFLOP/s"
+             f"{report['device_name']}  torch {report['torch']}  "
+             f"ceiling {report['matmul_ceiling_flops'] / 1e12:.3g} TFLOP/s"
              + (f"  median of {rounds} rounds" if rounds > 1 else ""),
              f"{'what':<14}{'tokens/s':>14}{'% ceiling':>11}{'peak GiB':>10}{'fastppl x':>11}"
              + (f"{'x range':>13}{'tok/s range':>16}" if rounds > 1 else "") + "  note"]

@@ -327,7 +327,8 @@ def format_docs_table(report: dict) -> str:
     # the targets are set for a GPU: off it the figures are shown, not judged
     on_gpu = report["device"].startswith("cuda")
     met = lambda key: ("met" if report["targets_met"][key] else "MISSED") if on_gpu else "a GPU target"  # noqa: E731
-    lines.append(f"packed / dense {100 * report['packed_over_dense']:.1f} % (target >= 90 %, {met('packed_over_dense')})"
+    lines.append(f"packed / dense {100 * report['packed_over_dense']:.1f} % "
+                 f"(target >= 90 %, {met('packed_over_dense')})"
                  f"   packed / baseline {report['packed_over_baseline']:.2f}x (target >= 3x, "
                  f"{met('packed_over_baseline')})   packed padding waste {100 * report['packed_padding_waste']:.2f} %"
                  f" (target <= 2 %, {met('packed_padding_waste')})")

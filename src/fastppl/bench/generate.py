@@ -130,10 +130,10 @@ def time_generation(native: nn.Module, hf: Optional[nn.Module], prompts: torch.T
     rows = []
     for name in peers:
         if name == "fastppl":
-            run = lambda: _run_fastppl(native, prompt_lists, new_tokens, device)
+            run = lambda: _run_fastppl(native, prompt_lists, new_tokens, device)  # noqa: E731
         else:
             static = name == "hf-static"
-            run = lambda static=static: _run_hf(hf, prompts, new_tokens, static, device)
+            run = lambda static=static: _run_hf(hf, prompts, new_tokens, static, device)  # noqa: E731
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -151,7 +151,8 @@ def time_generation(native: nn.Module, hf: Optional[nn.Module], prompts: torch.T
             name=name, batch_size=B, time_to_first_token_seconds=first, decode_seconds=decode,
             decode_tokens_per_second=rate, wall_seconds=wall, end_to_end_tokens_per_second=B * new_tokens / wall,
             warmup_seconds=warmup_seconds, compiled=timings[-1][5],
-            working_memory_bytes=(torch.cuda.max_memory_allocated(device) - resident) if device.type == "cuda" else None,
+            working_memory_bytes=(torch.cuda.max_memory_allocated(device) - resident) if device.type == "cuda"
+            else None,
             note=timings[-1][4], tokens=timings[-1][3],
         )
         if name == "fastppl":
@@ -227,8 +228,9 @@ def run_bench_generate(model_spec: str = "random:gpt2", batch_sizes: Sequence[in
             rows += batch_rows
             speed = {r["name"]: r["decode_tokens_per_second"] for r in batch_rows}
             if "fastppl" in speed:
-                ratios.append(dict(batch_size=B, **{f"fastppl_over_{name.replace('-', '_')}": speed["fastppl"] / speed[name]
-                                                    for name in speed if name != "fastppl"}))
+                ratios.append(dict(batch_size=B, **{
+                    f"fastppl_over_{name.replace('-', '_')}": speed["fastppl"] / speed[name]
+                    for name in speed if name != "fastppl"}))
     return dict(
         benchmark="generate", model=model_spec, dtype=str(dtype).replace("torch.", ""), device=str(device),
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -266,15 +268,18 @@ def format_generate_table(report: dict) -> str:
     for r in report["rows"]:
         same = f"{r['equal_token_fraction']:.3f}" if "equal_token_fraction" in r else ""
         prefix = f"{r['equal_prefix_fraction']:.3f}" if "equal_prefix_fraction" in r else ""
-        note = r["note"] + (f"; {r['distinct_new_tokens']} distinct ids generated" if "distinct_new_tokens" in r else "")
+        note = r["note"] + (f"; {r['distinct_new_tokens']} distinct ids generated" if "distinct_new_tokens" in r
+                            else "")
         lines.append(f"{r['batch_size']:>5}  {r['name']:<11}{r['decode_tokens_per_second']:>14,.0f}"
                      f"{r['time_to_first_token_seconds'] * 1000:>16.1f}{same:>13}{prefix:>13}  {note}")
     for ratio in report["ratios"]:
-        parts = [f"{k[len('fastppl_over_'):].replace('_', '-')} {v:.2f}x" for k, v in ratio.items() if k != "batch_size"]
+        parts = [f"{k[len('fastppl_over_'):].replace('_', '-')} {v:.2f}x" for k, v in ratio.items()
+                 if k != "batch_size"]
         if parts:
             lines.append(f"batch {ratio['batch_size']}: fastppl / " + ", fastppl / ".join(parts))
     for target in report["targets"]:
-        lines.append(f"target, batch {target['batch_size']}: {target['target']}: {'met' if target['met'] else 'NOT met'}")
+        lines.append(f"target, batch {target['batch_size']}: {target['target']}: "
+                     f"{'met' if target['met'] else 'NOT met'}")
     return "\n".join(lines)
 
 

@@ -53,7 +53,8 @@ def parse_process_counts(text: str) -> list[int]:
         try:
             count = int(part)
         except ValueError:
-            raise FastpplError(f"--nproc {text!r}: give a process count or a comma-separated list, e.g. 1,2,4,8") from None
+            raise FastpplError(f"--nproc {text!r}: give a process count or a comma-separated list, "
+                               "e.g. 1,2,4,8") from None
         if count < 1:
             raise FastpplError(f"--nproc {text!r}: process counts must be at least 1")
         counts.add(count)
@@ -253,7 +254,7 @@ def run_from_args(args) -> int:
         write_json(args.json, report)
     print(format_scaling_table(report))
     if not report["nll_sum_equal"]:
-        print(f"fastppl: error: nll_sum differs from the 1-process run by {report['max_nll_sum_relative_difference']:.1e} "
-              f"relative, above {NLL_SUM_TOLERANCE:g}", file=sys.stderr)
+        print(f"fastppl: error: nll_sum differs from the 1-process run by "
+              f"{report['max_nll_sum_relative_difference']:.1e} relative, above {NLL_SUM_TOLERANCE:g}", file=sys.stderr)
         return 1
     return 0

@@ -34,8 +34,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "also a checkpoint directory or hub id (default: %(default)s)")
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument("--peers", help="comma-separated subset of naive,autocast,hf-bf16,hf-compiled,fastppl; with "
-                                   "--generate of fastppl,hf-static,hf-dynamic (default: all; scoring a Llama preset, all "
-                                   "but naive and autocast)")
+                                   "--generate of fastppl,hf-static,hf-dynamic (default: all; scoring a Llama "
+                                   "preset, all but naive and autocast)")
     p.add_argument("--json", help="write the report here (default: not written)")
     p.add_argument("--quiet", action="store_true", help="no progress lines (default: off: progress on stderr)")
     _add_scoring_arguments(p.add_argument_group("scoring (without --generate)"))

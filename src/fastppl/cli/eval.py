@@ -64,7 +64,8 @@ def _add_scoring_arguments(p) -> None:
                         "sets its own)")
     p.add_argument("--ctx", type=int, help="tokens per window (default: the model's maximum)")
     p.add_argument("--stride", type=int, help="sliding: tokens between window starts (default: ctx/2)")
-    p.add_argument("--bos", action="store_true", help="sliding: prefix BOS so that the first token is scored" + FLAG_OFF)
+    p.add_argument("--bos", action="store_true",
+                   help="sliding: prefix BOS so that the first token is scored" + FLAG_OFF)
     p.add_argument("--batch-size", type=batch_size, default="auto",
                    help="rows per forward pass (a row holds one window, or several short ones when packed), or "
                         "auto: the largest that fits on a GPU with headroom (at most 256), 8 off CUDA; the result "
@@ -217,7 +218,8 @@ def _check_and_relaunch(args: argparse.Namespace) -> int:
     from ..data.corpus import BUILTINS
     from ..data.protocols import CORPORA
     for spec in args.data:
-        if spec not in BUILTINS and spec not in CORPORA and not spec.startswith("hf:") and not Path(spec).expanduser().exists():
+        if spec not in BUILTINS and spec not in CORPORA and not spec.startswith("hf:") \
+                and not Path(spec).expanduser().exists():
             raise FastpplError(f"{spec}: {no_such(spec)}; check the --data path")
     return _relaunch(args)
 

@@ -241,8 +241,8 @@ def builtin_path(name: str, data_dir: Optional[str]) -> Path:
                 raise FastpplError(f"{path}: is not the {name} corpus (size or sha256 differ); replace it")
             return path
     if candidates:
-        given = " and ".join(what for what, value in (("--data-dir", data_dir),
-                                                       ("FASTPPL_DATA_DIR", os.environ.get("FASTPPL_DATA_DIR"))) if value)
+        settings = (("--data-dir", data_dir), ("FASTPPL_DATA_DIR", os.environ.get("FASTPPL_DATA_DIR")))
+        given = " and ".join(what for what, value in settings if value)
         raise FastpplError(
             f"{name}: no {corpus.filename} in {', '.join(candidates)}; put the file there or drop {given}"
         )
@@ -264,7 +264,8 @@ def jsonl_documents(raw_text: str, path: Path, fields: Fields) -> list[Document]
                 f"{path}:{line_number}: no field {text_field!r}; pass --text-field NAME"
             )
         if not isinstance(record[text_field], str):
-            raise FastpplError(f"{path}:{line_number}: field {text_field!r} is not a string; pick the text field with --text-field")
+            raise FastpplError(f"{path}:{line_number}: field {text_field!r} is not a string; pick the text field "
+                               "with --text-field")
         lone = _SURROGATE.search(record[text_field])
         if lone:   # a JSON escape such as \ud800 without its pair: no UTF-8 (and no tokenizer) can encode it
             raise FastpplError(f"{path}:{line_number}: field {text_field!r} holds a lone surrogate "

@@ -42,7 +42,8 @@ def load_hf_dataset(label: str, name: str, config: Optional[str], split: str, da
 def check_texts(label: str, texts, text_field: str) -> None:
     for row, text in enumerate(texts):
         if not isinstance(text, str):
-            raise FastpplError(f"{label}: row {row}: field {text_field!r} is not a string; pick the text field with --text-field")
+            raise FastpplError(f"{label}: row {row}: field {text_field!r} is not a string; pick the text field "
+                               "with --text-field")
     if not texts:
         raise FastpplError(f"{label}: the split holds no rows")
 

@@ -287,7 +287,8 @@ def load_tokenizer(name_or_path: str, offline_hint: str = "") -> Tokenizer:
         )
     backend = getattr(hf, "backend_tokenizer", None)
     if backend is None:
-        raise FastpplError(f"tokenizer {name_or_path!r} has no fast (Rust) implementation; convert it to tokenizer.json")
+        raise FastpplError(f"tokenizer {name_or_path!r} has no fast (Rust) implementation; "
+                           "convert it to tokenizer.json")
     bos_id = hf.bos_token_id if hf.bos_token_id is not None else hf.eos_token_id
     return Tokenizer(backend=backend, name=name_or_path, fingerprint=_fingerprint(backend), bos_id=bos_id,
                      eos_id=hf.eos_token_id, vocab_size=len(hf))

@@ -67,10 +67,10 @@ def choose_kv_cache(setting: str, window: str, model: nn.Module) -> tuple[bool, 
     if not is_rotary(model):
         from ..models.registry import spec_of
         why = ("with absolute position embeddings (GPT-2) cached tokens cannot move to their new window positions"
-               if spec_of(model) is not None else "the cache is fastppl's native models' own, and this model runs through "
-               "transformers")
-        raise FastpplError(
-            f"--kv-cache on needs a native rotary model (Llama, Qwen2, Qwen3, Mistral), not {type(model).__name__}: {why}")
+               if spec_of(model) is not None else
+               "the cache is fastppl's native models' own, and this model runs through transformers")
+        raise FastpplError(f"--kv-cache on needs a native rotary model (Llama, Qwen2, Qwen3, Mistral), "
+                           f"not {type(model).__name__}: {why}")
     return True, "on (--kv-cache on)"
 
 

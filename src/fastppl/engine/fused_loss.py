@@ -208,7 +208,8 @@ def fused_token_nll(
     tiles to fit shared memory, and exact fp32 products (no tf32). tma: load through tensor descriptors
     (default: 16-bit inputs where the GPU and the alignment allow; False forces pointer loads). segments: how many
     programs share a row block's vocabulary (default vocabulary_segments)."""
-    assert triton is not None and (hidden.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")  # interpreter: CPU check
+    # interpreter: CPU check
+    assert triton is not None and (hidden.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
     wide = hidden.element_size() == 4
     block_n = block_n or (128 if wide else 256)
     block_k = block_k or (32 if wide else 64)

@@ -32,8 +32,8 @@ def make_score_fn(model: nn.Module, chunk_rows: int = 8192, loss: str = "chunked
     position_ids (B, T) and document_ids ((B, T) ids or a DocumentSpans), which go to the model as they are.
 
     With the fused loss the scorer also takes scored_rows= (n,) int64, the flat indices of the scored
-    positions (an index may repeat), and runs the loss on those rows only: a window's context and padding skip the vocabulary
-    product (about a third of a GPT-2 forward). The fused kernel computes each row alone, so a row's NLL
+    positions (an index may repeat), and runs the loss on those rows only: a window's context and padding skip the
+    vocabulary product (about a third of a GPT-2 forward). The fused kernel computes each row alone, so a row's NLL
     is bit for bit the same whichever rows share its batch. The chunked loss's matmul can round a row
     differently as the number of rows changes (BLAS picks its kernel by shape), which would break equal
     results across batch sizes and process counts, so it always runs on every position."""

@@ -52,7 +52,7 @@ def causal_attention(
         if varlen_available(q.device, q.dtype):
             try:
                 return varlen_document_attention(q, k, v, document_ids, _varlen_attn_fn())
-            except Exception as error:   # noqa: BLE001: any kernel failure falls back, once and for good
+            except Exception as error:   # noqa: BLE001 -- any kernel failure falls back, once and for good
                 if is_out_of_memory(error):
                     raise   # the scorer's back-off halves the batch; FlexAttention would need more memory
                 _varlen_failed(error)

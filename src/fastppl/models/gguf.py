@@ -1,6 +1,7 @@
 """GGUF files (llama.cpp's format) read as a Hugging Face checkpoint: the metadata becomes a config.json-style dict,
 the tensors an index under transformers' names, each dequantized on the run's device when it is read
-(fastppl.models.gguf_quants), so that the family's ordinary checkpoint conversion (its ModelSpec) builds the native model.
+(fastppl.models.gguf_quants), so that the family's ordinary checkpoint conversion (its ModelSpec) builds the native
+model.
 
 --model takes a local FILE.gguf or owner/repo:FILE.gguf (one file of a hub repository, downloaded once)."""
 from __future__ import annotations
@@ -150,7 +151,8 @@ def _llama3_rope(divisors: torch.Tensor, config: dict, path: Path) -> dict:
     the divisors (by transformers' llama3 formula), else an error."""
     rope = dict(rope_type="llama3", factor=float(divisors.max()), low_freq_factor=1.0, high_freq_factor=4.0,
                 original_max_position_embeddings=8192)
-    base = 1.0 / config["rope_theta"] ** (torch.arange(0, config["head_dim"], 2, dtype=torch.float64) / config["head_dim"])
+    head_dim = config["head_dim"]
+    base = 1.0 / config["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     wavelength = 2 * torch.pi / base
     low, high = 8192 / rope["low_freq_factor"], 8192 / rope["high_freq_factor"]
     smooth = (8192 / wavelength - rope["low_freq_factor"]) / (rope["high_freq_factor"] - rope["low_freq_factor"])

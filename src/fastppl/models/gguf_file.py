@@ -88,7 +88,8 @@ def read_header(path: Path, keep_string_arrays: tuple[str, ...] = ()) -> tuple[d
     except _Truncated:
         raise FastpplError(f"{path}: ends inside its GGUF header; the file is truncated, download it again") from None
     except (ValueError, UnicodeDecodeError) as e:
-        raise FastpplError(f"{path}: is not a readable GGUF file ({e}); the file is corrupt, download it again") from None
+        raise FastpplError(f"{path}: is not a readable GGUF file ({e}); the file is corrupt, "
+                           "download it again") from None
     finally:
         if isinstance(data, mmap.mmap):
             data.close()

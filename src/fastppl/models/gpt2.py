@@ -154,7 +154,8 @@ class GPT2(nn.Module):
 # ---- the fused-norm forward: offered through the spec, run with the kernels fastppl.accel.fused_norm passes ----
 
 def _projection_bias_sums(model: GPT2) -> torch.Tensor:
-    """(2L, 1, C) fp32: entry j is the sum of the first j + 1 output-projection biases (attention, MLP, attention, ...)."""
+    """(2L, 1, C) fp32: entry j is the sum of the first j + 1 output-projection biases (attention, MLP, attention,
+    ...)."""
     biases = [b for block in model.blocks for b in (block.attn.proj.bias, block.mlp.proj.bias)]
     return torch.stack(biases).float().cumsum(0)[:, None, :]
 

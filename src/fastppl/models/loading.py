@@ -157,7 +157,8 @@ def checkpoint_index(directory: Path) -> dict[str, StoredTensor]:
     safetensors_files = _weight_files(directory, "model.safetensors", "*.safetensors")
     bin_files = _weight_files(directory, "pytorch_model.bin", "pytorch_model*.bin")
     if not safetensors_files and not bin_files:
-        raise FastpplError(f"{directory}: holds no model.safetensors or pytorch_model.bin; pass a checkpoint directory that has its weights")
+        raise FastpplError(f"{directory}: holds no model.safetensors or pytorch_model.bin; pass a checkpoint "
+                           "directory that has its weights")
     return index_checkpoint(safetensors_files or bin_files)
 
 

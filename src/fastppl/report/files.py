@@ -19,7 +19,7 @@ def written_in_place(path: str) -> bool:
     rename would replace by a regular file."""
     target = Path(path).expanduser()
     real = Path(os.path.realpath(target))
-    special = lambda p: p.exists() and not p.is_file() and not p.is_dir()
+    special = lambda p: p.exists() and not p.is_file() and not p.is_dir()  # noqa: E731
     return special(target) or special(real) or str(target).startswith(("/dev/", "/proc/"))
 
 
@@ -122,7 +122,8 @@ def check_writable(path: str, flag: str) -> None:
     try:
         fd, probe = tempfile.mkstemp(dir=parent, prefix="." + target.name + ".")
     except OSError as e:
-        raise FastpplError(f"{flag} {path}: cannot create files in {parent} ({e.strerror}); pick another path") from None
+        raise FastpplError(f"{flag} {path}: cannot create files in {parent} ({e.strerror}); "
+                           "pick another path") from None
     os.close(fd)
     os.unlink(probe)
     remove_stale_temporaries(path)

@@ -38,7 +38,8 @@ def summary(result: dict) -> str:
         f"tokens      {result['tokens_scored']:,} scored of {result['tokens_total']:,}  ({result['bytes']:,} bytes)",
         f"nll         {result['nll']:.6f}{_plus_minus(result.get('nll_stderr'), '.6f')} nats/token",
         f"perplexity  {_figure(result['ppl'], '.4f')}{_plus_minus(result.get('ppl_stderr'), '.4f')}",
-        f"bits/byte   {_figure(result['bits_per_byte'], '.6f')}{_plus_minus(result.get('bits_per_byte_stderr'), '.6f')}",
+        f"bits/byte   {_figure(result['bits_per_byte'], '.6f')}"
+        f"{_plus_minus(result.get('bits_per_byte_stderr'), '.6f')}",
         f"word ppl    {_figure(result['word_perplexity'], '.4f')}  ({result['words']:,} words)   "
         f"byte ppl {_figure(result['byte_perplexity'], '.6f')}",
         f"speed       {_figure(result['tokens_per_second'], ',.0f')} tokens/s  ({result['wall_seconds']:.2f} s wall, "
