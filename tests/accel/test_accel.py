@@ -110,7 +110,7 @@ def test_compile_on_and_off_give_the_same_result(tmp_path, tokenizer_dir):
 def test_bench_cpu_path(tmp_path, capsys, sharpened_random_models):
     """Every peer's NLL against a direct fp32 computation with transformers on the bench's own rows: fastppl
     over all T targets of each row, the labels= peers over the T - 1 they score (fp32 on the CPU, autocast bf16)."""
-    from conftest import hf_reference_nll
+    from hf_reference import hf_reference_nll
     out = tmp_path / "bench.json"
     rc = main(["bench", "--model", "random:gpt2-tiny", "--tokens", "1024", "--seq", "32", "--batch-size", "4",
                "--device", "cpu", "--json", str(out), "--quiet",

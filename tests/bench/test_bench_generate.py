@@ -74,7 +74,7 @@ def test_bench_llama_peers_agree(tmp_path, sharpened_random_models):
     """Both rows' NLL against a direct fp32 computation with transformers on the bench's own rows (CPU: fp32):
     fastppl's over all T targets of each row, the labels= peer's over the T - 1 it scores."""
     import numpy as np
-    from conftest import hf_reference_nll
+    from hf_reference import hf_reference_nll
     out = tmp_path / "bench.json"
     rc = main(["bench", "--model", "random:llama-tiny", "--peers", "hf-bf16,fastppl", "--tokens", "512", "--seq", "32",
                "--device", "cpu", "--json", str(out), "--quiet"])
