@@ -168,7 +168,7 @@ def test_unknown_values_of_the_api(flag, name):
     (["--ctx", "257"], "--ctx 257 exceeds the model's maximum of 256 positions; lower --ctx"),
     (["--window", "sliding", "--stride", "300"], "--stride must be between 1 and --ctx (256), got 300"),
     (["--window", "sliding", "--kv-cache", "on"], "--kv-cache on needs a native rotary model (Llama, Qwen2, "
-                                                  "Mistral), not GPT2"),
+                                                  "Qwen3, Mistral), not GPT2"),
 ])
 def test_what_the_model_tells_is_refused_once_it_is_built(extra, message, text, outputs, tokenizer_dir, capsys):
     _assert_user_error(*_main(capsys, _args(TINY, text, outputs, tokenizer_dir, *extra)), outputs, message)
