@@ -350,6 +350,9 @@ def main(argv=None) -> int:
     parser.add_argument("--test-timeout", type=float, default=150, help="seconds a test may run (default: 150)")
     parser.add_argument("--device", default="auto", help="the benchmarks' device (default: auto)")
     parser.add_argument("--tests", nargs="*", default=["tests"], help="test paths for pytest -m gpu")
+    parser.add_argument("--benchmarks", default="all",
+                        help="comma-separated benchmarks to run (loss, scorer, 'scorer llama-1b', end_to_end, "
+                             "divergence), all, or none: the whole budget for the tests (default: all)")
     parser.add_argument("--tokenizer", default=str(SHARED_DATA / "gpt2-tokenizer"))
     parser.add_argument("--data", default=str(SHARED_DATA / "tinyshakespeare.txt"))
     args = parser.parse_args(argv)
@@ -390,7 +393,10 @@ def main(argv=None) -> int:
 def run_benchmarks(args, outdir: Path, env: dict, scratch: Path, clock: Clock, env_info: dict) -> dict:
     """Each benchmark in turn under its time limit; summary.md rewritten after each (a kill leaves the ones done)."""
     benchmarks = {}
+    chosen = args.benchmarks.split(",") if args.benchmarks not in ("all", "none") else args.benchmarks
     for name, (arguments, limit) in benchmark_commands(args, scratch).items():
+        if chosen == "none" or (chosen != "all" and name not in chosen):
+            continue
         script = BENCHMARKS / f"{name.split()[0]}.py"   # "scorer llama-1b": scorer.py on another model
         process = start([sys.executable, str(script), *arguments], outdir / "bench.log", env)
         status, seconds = finish(process, min(limit, max(clock.left(), 1.0)))
