@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import os
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -34,6 +35,12 @@ class Acceleration:
     batching_reason: str
     mlp_epilogue: str = "plain"
     residual_norms: str = "plain"
+
+
+def fused_trunk_enabled() -> bool:
+    """The fused Llama trunk is opt-in (FASTPPL_FUSED_LLAMA_TRUNK=1) until its bf16 check and its speed against the
+    plain modules have run on a GPU (benchmarks/gpu_check.py runs both)."""
+    return os.environ.get("FASTPPL_FUSED_LLAMA_TRUNK") == "1"
 
 
 def takes_document_ids(model: nn.Module) -> bool:
@@ -82,7 +89,7 @@ def apply_fusions(model: nn.Module, device: torch.device, acceleration: Accelera
             mlp = "fused bias+GELU (cuBLASLt)"
         if fuse_residual_norms(model):
             norms = "residual adds inside the projections (cuBLAS), bias sums in the LayerNorms (Triton)"
-        elif fuse_llama_trunk(model):
+        elif fused_trunk_enabled() and fuse_llama_trunk(model):
             norms = "residual adds inside the projections (cuBLAS); RMSNorm, RoPE and SwiGLU in Triton kernels"
     return dataclasses.replace(acceleration, mlp_epilogue=mlp, residual_norms=norms)
 
