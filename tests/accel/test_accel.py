@@ -419,6 +419,7 @@ def test_evaluate_waits_for_the_warm_up_before_the_first_kernel(monkeypatch, tmp
     assert events[0] == "joined" and "scored" in events and "wait_for_warm_up" in result["stage_seconds"]
 
 
+@pytest.mark.slow
 def test_the_triton_warm_up_fills_the_kernel_cache_key_without_torch():
     # a fresh interpreter, as the CLI starts it: before `import torch`, and importing nothing on its thread
     import subprocess

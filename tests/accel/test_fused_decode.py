@@ -211,6 +211,7 @@ print(json.dumps(dict(ptx=kernel.asm["ptx"])))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(fused_decode.tl.extra.cuda, "gdc_wait"), reason="this Triton has no dependent launch")
 def test_the_product_kernel_reads_only_weights_before_its_wait():
     """Compiled for an sm_90 target (on the CPU too; in a process of its own, as the tests run Triton's

@@ -54,6 +54,7 @@ def test_a_numeric_symbol_that_shifts_digit_groups_beyond_the_checked_context(to
     assert _same_ids(_with_split(tokenizer_dir, LLAMA3_PATTERN), text)
 
 
+@pytest.mark.slow
 def test_a_strip_normalizer_is_never_cut(tokenizer_dir):
     tokenizer = _gpt2(tokenizer_dir)
     tokenizer.normalizer = normalizers.Strip()

@@ -101,6 +101,7 @@ def test_batching_modes_match_one_document_at_a_time(tokenizer_dir, corpus_dir, 
             assert document["bytes"] == alone["bytes"]
 
 
+@pytest.mark.slow
 def test_changing_one_document_moves_no_other(tokenizer_dir, corpus_dir, tmp_path):
     for path in corpus_dir.iterdir():
         (tmp_path / path.name).write_bytes(path.read_bytes())
@@ -115,6 +116,7 @@ def test_changing_one_document_moves_no_other(tokenizer_dir, corpus_dir, tmp_pat
             assert after[doc_id]["nll_sum"] == pytest.approx(document["nll_sum"], rel=1e-6), doc_id
 
 
+@pytest.mark.slow
 def test_empty_and_one_token_documents(tokenizer_dir, corpus_dir, capsys):
     result = run(tokenizer_dir, [corpus_dir])
     assert result["documents"] == len(TEXTS) + 3 and result["documents_skipped"] == 1
@@ -204,6 +206,7 @@ def test_per_doc_file_and_json(tokenizer_dir, corpus_dir, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "r.json"]   # no temporary files left
 
 
+@pytest.mark.slow
 def test_hf_backend_batches_by_buckets_and_refuses_packing(tokenizer_dir, corpus_dir):
     native = run(tokenizer_dir, [corpus_dir], batching="padded")
     hf = run(tokenizer_dir, [corpus_dir], backend="hf")

@@ -116,6 +116,7 @@ def test_a_tokenizer_without_a_pre_tokenizer_is_encoded_whole(shakespeare):
     assert encoded.ids.tolist() == tokenizer.encode(text).ids
 
 
+@pytest.mark.slow
 def test_the_report_says_when_texts_were_encoded_whole(shakespeare, tmp_path):
     import json
     from fastppl.cli import main
@@ -159,6 +160,7 @@ def test_tinyshakespeare_in_pieces_matches_the_known_count(gpt2, shakespeare, mo
     assert encoded.pieces > 10 and len(encoded.ids) == 338_025
 
 
+@pytest.mark.slow
 def test_a_run_scores_the_same_whether_its_text_is_cut_or_not(shakespeare, tokenizer_dir, tmp_path, monkeypatch):
     """The whole result, not just the ids: one text tokenised in pieces and in one encode gives the same report."""
     import json

@@ -101,6 +101,7 @@ def test_cache_is_keyed_by_tokenizer(cache, gpt2, tokenizer_dir, tmp_path):
     assert len(list((cache / "tokens").glob("*.tokens"))) == 2
 
 
+@pytest.mark.slow
 def test_cache_is_keyed_by_the_tokenizer_file(cache, gpt2, tokenizer_dir, tmp_path):
     # tokenizer.json alone changed (read without transformers, fingerprinted by its bytes): other ids
     other_dir = tmp_path / "edited-tokenizer"
@@ -125,6 +126,7 @@ def test_damaged_cache_entry_is_recomputed(cache, gpt2, damage):
     assert np.array_equal(encode_cached(gpt2, LONG_TEXT), ids)
 
 
+@pytest.mark.slow
 def test_pipeline_uses_the_cache(cache, tmp_path, tokenizer_dir, monkeypatch):
     data = tmp_path / "long.txt"
     data.write_text(LONG_TEXT)

@@ -54,6 +54,7 @@ def test_changing_one_packed_document_leaves_the_others_bit_identical():
     assert (before[0, 10:22] - after[0, 10:22]).abs().max() > 1e-2
 
 
+@pytest.mark.slow
 def test_flex_attention_block_mask_matches_the_sdpa_mask():
     """The CUDA path's block mask, run through the eager (reference) flex_attention on the CPU."""
     import warnings
