@@ -135,6 +135,7 @@ def test_empty_and_one_token_documents(tokenizer_dir, corpus_dir, capsys):
     assert "(1 skipped: no token to score)" in out and "padding waste" in out and "word ppl" in out
 
 
+@pytest.mark.slow
 def test_unicode_crlf_bytes_words_and_metrics(tokenizer_dir, corpus_dir):
     result = run(tokenizer_dir, [corpus_dir])
     documents = by_id(result)
@@ -190,6 +191,7 @@ def test_lm_eval_word_count_is_re_split_on_any_text(monkeypatch, alphabet):
         assert lm_eval_word_count(text) == len(re.split(r"\s+", text)), repr(text)
 
 
+@pytest.mark.slow
 def test_per_doc_file_and_json(tokenizer_dir, corpus_dir, tmp_path):
     per_doc, report = tmp_path / "docs.jsonl", tmp_path / "r.json"
     rc = main(["eval", "--model", "random:gpt2-tiny", "--tokenizer", str(tokenizer_dir), "--data", str(corpus_dir),
@@ -216,6 +218,7 @@ def test_hf_backend_batches_by_buckets_and_refuses_packing(tokenizer_dir, corpus
         run(tokenizer_dir, [corpus_dir], backend="hf", batching="packed")
 
 
+@pytest.mark.slow
 def test_several_data_arguments_and_jsonl_with_unicode_line_separators(tokenizer_dir, corpus_dir, tmp_path):
     jsonl = tmp_path / "d.jsonl"
     records = [{"text": "first\u2028still the first document\u0085"}, {"text": ""}, {"text": "third"}]

@@ -244,6 +244,7 @@ def test_corpus_errors(tmp_path, tokenizer_dir, data_dir):
         EvalConfig(model="m", data=["c4"])
 
 
+@pytest.mark.slow
 def test_presets_of_todays_windows_are_those_windows(tmp_path, tokenizer_dir, shakespeare):
     """lm-eval-rolling is --window chunked, and hf-guide on one text with GPT-2's tokenizer (no BOS added) is
     --window sliding: the same streams and windows."""

@@ -41,6 +41,7 @@ def gpt2(tokenizer_dir):
 
 
 # -------------------------------------------------------------------------------- token counts
+@pytest.mark.slow
 def test_tinyshakespeare_token_counts(shakespeare, gpt2):
     """nanoGPT's published counts: GPT-2 BPE of the 90 % / 10 % character split, no special tokens."""
     text = shakespeare.read_text(encoding="utf-8")
@@ -85,6 +86,7 @@ def test_cache_is_keyed_by_text(cache, gpt2, monkeypatch):
         encode_cached(gpt2, LONG_TEXT + "!")        # another text must be tokenised, not looked up
 
 
+@pytest.mark.slow
 def test_cache_is_keyed_by_tokenizer(cache, gpt2, tokenizer_dir, tmp_path):
     # the same vocabulary with a prefix space added maps the same text to other ids
     other_dir = tmp_path / "other-tokenizer"

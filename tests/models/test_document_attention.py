@@ -255,6 +255,7 @@ def test_out_of_memory_in_varlen_propagates_for_the_batch_back_off(monkeypatch):
     assert attention.varlen_failure() is None
 
 
+@pytest.mark.slow
 def test_packed_kernel_agreement_on_the_cpu():
     """The helper the GPU checks use: on the CPU all three ways are the SDPA mask or plain SDPA (fp32)."""
     from fastppl.bench.documents import packed_kernel_agreement
