@@ -28,7 +28,7 @@ def _prompts(lengths, seed=0):
     return [torch.randint(0, EOS, (n,), generator=generator).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
+@pytest.mark.parametrize("preset", ["gpt2-tiny", pytest.param("llama-tiny", marks=pytest.mark.slow)])
 def test_greedy_equals_transformers_generate(preset):
     model = _model(preset)
     hf = native_to_hf(model).eval()

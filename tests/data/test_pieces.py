@@ -82,7 +82,8 @@ def adversarial_text(shakespeare) -> str:
                    for i, p in enumerate(prose))
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama3_style", "metaspace_always", "metaspace_first"])
+@pytest.mark.parametrize("name", ["gpt2", "llama3_style", pytest.param("metaspace_always", marks=pytest.mark.slow),
+                                  "metaspace_first"])
 def test_pieces_give_the_ids_of_one_encode(name, request, shakespeare):
     tokenizer = request.getfixturevalue(name)
     text = adversarial_text(shakespeare)
