@@ -59,6 +59,7 @@ def _gpu_check():
     return module
 
 
+@pytest.mark.slow
 def test_the_gpu_checks_pytest_stage_records_failures_as_they_happen_and_interrupts_a_hung_test(tmp_path):
     """gpu_check's pytest stage on three tests of its own: the failure is in failures.txt, the test past
     --test-timeout is interrupted (a failure too) and the test after it still runs; counts by file."""

@@ -215,6 +215,7 @@ def test_documents_packed_or_bucketed_equal_the_brute_force(related_models, toke
     _assert_statistics(result, _brute_force_statistics(expected_columns))
 
 
+@pytest.mark.slow
 def test_kld_by_position_is_the_mean_at_each_position(related_models, tokenizer_dir, text_path, token_ids):
     result = _evaluate(tokenizer_dir, [text_path], ctx=32, batch_size=3)
     pairs = lm_eval_rolling_pairs(len(token_ids), 32)
@@ -226,7 +227,7 @@ def test_kld_by_position_is_the_mean_at_each_position(related_models, tokenizer_
     assert sum(histogram["counts"]) + histogram["at_most_zero"] == len(token_ids)
 
 
-@pytest.mark.parametrize("window, stride", [("chunked", None), ("sliding", 10)])
+@pytest.mark.parametrize("window, stride", [("chunked", None), pytest.param("sliding", 10, marks=pytest.mark.slow)])
 def test_a_model_against_itself_diverges_by_exactly_zero(related_models, tokenizer_dir, text_path, window, stride):
     result = _evaluate(tokenizer_dir, [text_path], reference_seed=0, ctx=32, batch_size=3, window=window,
                        stride=stride)
@@ -236,6 +237,7 @@ def test_a_model_against_itself_diverges_by_exactly_zero(related_models, tokeniz
     assert d["kld_histogram"] == {"edges": [], "counts": [], "at_most_zero": d["tokens"]}
 
 
+@pytest.mark.slow
 def test_transformers_backend_gives_the_native_divergence(related_models, tokenizer_dir, tmp_path):
     """--backend hf: both models through transformers (whose forward keeps no packed documents apart, so several
     documents run bucketed), the same statistics as the native models."""
@@ -249,6 +251,7 @@ def test_transformers_backend_gives_the_native_divergence(related_models, tokeni
             assert hf["divergence"][name] == pytest.approx(value, rel=1e-5, abs=1e-9), name
 
 
+@pytest.mark.slow
 def test_batch_size_does_not_change_the_divergence(related_models, tokenizer_dir, text_path):
     one, many = (_evaluate(tokenizer_dir, [text_path], ctx=32, batch_size=b)["divergence"] for b in (1, 7))
     for name, value in one.items():
@@ -263,6 +266,7 @@ def _cli(tokenizer_dir, data, *extra) -> int:
                  "--device", "cpu", "--ctx", "32", "--quiet", *extra])
 
 
+@pytest.mark.slow
 def test_command_writes_columns_json_summary_and_figure(tmp_path, tokenizer_dir, text_path, capsys):
     pytest.importorskip("matplotlib")
     out = {name: tmp_path / name for name in ("r.json", "t.npy", "kld.png")}

@@ -28,7 +28,7 @@ def _prompts(lengths, seed=0):
     return [torch.randint(0, EOS, (n,), generator=generator).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
+@pytest.mark.parametrize("preset", ["gpt2-tiny", pytest.param("llama-tiny", marks=pytest.mark.slow)])
 def test_greedy_equals_transformers_generate(preset):
     model = _model(preset)
     hf = native_to_hf(model).eval()
@@ -240,6 +240,7 @@ def test_compiled_decode_with_aligned_logits_gives_the_eager_tokens():
     assert generate(model, prompts, 24, sampling, eos_id=None, compile=True, **aligned).tokens == sampled.tokens
 
 
+@pytest.mark.slow
 def test_the_compiled_step_serves_more_shapes_than_dynamos_recompile_limit():
     """One graph per (batch, cache length): with fullgraph=True, Dynamo's recompile limit (8 by default) would
     make the next new shape an error, so compiled_decode_one_token raises it. Here the limit starts at 1."""

@@ -67,6 +67,7 @@ def test_batch_size_invariance(tokenizer_dir, text_path, window, stride, bos):
         assert other["nll_sum"] == pytest.approx(first["nll_sum"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_loss_chunk_rows_do_not_change_the_result(tokenizer_dir, text_path, monkeypatch):
     import fastppl.accel.apply as apply
     chunk_rows = []   # what the scorer was built with: the option must reach it
@@ -115,6 +116,7 @@ def test_per_token_sliding_has_nan_where_unscored(tmp_path, tokenizer_dir, text_
     assert result["tokens_scored"] == len(ids) - len(unscored)
 
 
+@pytest.mark.slow
 def test_jsonl_documents_each_get_their_own_bos(tmp_path, tokenizer_dir, hf_tokenizer):
     docs = ["To be, or not to be, that is the question:", "", "Whether 'tis nobler in the mind to suffer",
             "The slings and arrows of outrageous fortune,\nOr to take arms against a sea of troubles"]
@@ -163,6 +165,7 @@ def test_metrics_arithmetic_and_bytes(tokenizer_dir, text_path, text, hf_tokeniz
         assert r["bits_per_byte"] == pytest.approx(r["nll_sum"] / math.log(2) / r["bytes"], rel=1e-12)
 
 
+@pytest.mark.slow
 def test_split_of_a_text_file(tokenizer_dir, text_path, text, hf_tokenizer):
     cut = int(len(text) * 0.9)
     for split, part in (("train", text[:cut]), ("val", text[cut:]), ("all", text)):
@@ -202,6 +205,7 @@ def test_summary_on_stdout(tmp_path, tokenizer_dir, text_path, capsys):
     assert "perplexity" in out and "bits/byte" in out and err == ""
 
 
+@pytest.mark.slow
 def test_auto_batch_size_keeps_a_balanced_batch_only_where_it_runs_fewer_rows(tokenizer_dir, text_path):
     from fastppl.accel.batch_size import balanced_batch_size
     auto = _run(tokenizer_dir, [text_path], batch_size="auto")
@@ -224,6 +228,7 @@ def test_auto_batch_size_is_not_balanced_where_that_runs_no_fewer_rows(tmp_path,
     assert auto["batches"] == 1 and auto["batch_size"] == 8
 
 
+@pytest.mark.slow
 def test_the_python_api_example_prints_what_its_page_shows(monkeypatch, capsys, tokenizer_dir):
     root = Path(__file__).resolve().parents[1]
     page = (root / "docs" / "python-api.md").read_text()

@@ -58,6 +58,7 @@ def run(tokenizer, data, protocol, **kwargs):
                                dtype="fp32", quiet=True, ctx=kwargs.pop("ctx", CTX), protocol=protocol, **kwargs))
 
 
+@pytest.mark.slow
 def test_gptq_equals_its_eval_loop(tmp_path, hf_model, bos_tokenizer_dir, shakespeare):
     (tmp_path / "wiki.test.raw").write_text(wikitext_raw(shakespeare.read_text(), n_lines=12))
     result = run(bos_tokenizer_dir, ["wikitext2"], "gptq", data_dir=str(tmp_path), per_token=str(tmp_path / "t.npy"))
@@ -78,7 +79,7 @@ def test_gptq_equals_its_eval_loop(tmp_path, hf_model, bos_tokenizer_dir, shakes
     assert card["reported"]["ppl"] == result["ppl"] and card["tail"].startswith("dropped: the ")
 
 
-@pytest.mark.parametrize("bos", [False, True])
+@pytest.mark.parametrize("bos", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_llama_cpp_equals_perplexity_cpp(tmp_path, hf_model, tokenizer_dir, bos_tokenizer_dir, shakespeare, bos):
     tokenizer = bos_tokenizer_dir if bos else tokenizer_dir
     path = tmp_path / "wiki.test.raw"
@@ -93,6 +94,7 @@ def test_llama_cpp_equals_perplexity_cpp(tmp_path, hf_model, tokenizer_dir, bos_
     assert reported["line"] == f"Final estimate: PPL = {reported['ppl']:.4f} +/- {reported['ppl_plus_minus']:.5f}"
 
 
+@pytest.mark.slow
 def test_lm_eval_wikitext_equals_the_task(tmp_path, hf_model, tokenizer_dir, shakespeare):
     raw = wikitext_raw(shakespeare.read_text(), n_lines=10)
     pages = [raw[:len(raw) // 2], raw[len(raw) // 2:], ""]   # an empty page adds one word, as in lm-eval
@@ -108,6 +110,7 @@ def test_lm_eval_wikitext_equals_the_task(tmp_path, hf_model, tokenizer_dir, sha
     assert [d["nll_sum"] for d in result.per_doc] == pytest.approx(nll_by_page[:2], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_hf_guide_equals_the_guide(tmp_path, hf_model, bos_tokenizer_dir, shakespeare):
     rows = [line + "\n" for line in shakespeare.read_text().splitlines()[:30]]
     path = tmp_path / "rows.jsonl"

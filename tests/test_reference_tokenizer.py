@@ -37,6 +37,7 @@ def _run(tokenizer_dir, reference, tmp_path) -> int:
                  "--device", "cpu", "--ctx", "32", "--quiet", "--reference-model", str(reference)])
 
 
+@pytest.mark.slow
 def test_a_reference_with_the_same_tokenizer_is_accepted(tokenizer_dir, reference_weights, tmp_path):
     reference = tmp_path / "same"
     shutil.copytree(reference_weights, reference)

@@ -96,6 +96,7 @@ def test_killed_at_random_batches_then_resumed_gives_exactly_the_uninterrupted_r
     assert meta["batches_done"] == n_batches and finished.all()
 
 
+@pytest.mark.slow
 def test_finished_checkpoint_reruns_without_scoring_and_other_arguments_are_refused(
         tokenizer_dir, corpus_dir, tmp_path, capsys):
     checkpoint_dir = tmp_path / "ckpt"

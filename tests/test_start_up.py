@@ -43,7 +43,7 @@ class _InForeground:
         return self._value
 
 
-@pytest.mark.parametrize("cache", ["cold", "warm"])
+@pytest.mark.parametrize("cache", ["cold", pytest.param("warm", marks=pytest.mark.slow)])
 def test_tokenizing_beside_loading_gives_the_result_of_one_after_the_other(tokenizer_dir, texts, monkeypatch,
                                                                             tmp_path, cache):
     monkeypatch.setenv("FASTPPL_CACHE_DIR", str(tmp_path / cache))
@@ -60,6 +60,7 @@ def test_tokenizing_beside_loading_gives_the_result_of_one_after_the_other(token
     assert overlapped.per_token.tobytes() == sequential.per_token.tobytes()
 
 
+@pytest.mark.slow
 def test_tokenizing_runs_while_the_model_loads(tokenizer_dir, texts, monkeypatch):
     """load_model waits for the tokenizer to have started: one after the other, it would wait in vain."""
     tokenizing, real_encode, real_load = threading.Event(), pipeline.encode_documents, pipeline.load_model
@@ -82,6 +83,7 @@ def test_tokenizing_runs_while_the_model_loads(tokenizer_dir, texts, monkeypatch
     assert stages["load_model"] + stages["wait_for_tokenize"] < stages["load_model"] + stages["tokenize"] - 0.2
 
 
+@pytest.mark.slow
 def test_the_main_threads_stages_add_up_to_the_wall_time(tokenizer_dir, texts):
     result = _run(tokenizer_dir, texts)
     stages = result["stage_seconds"]
@@ -89,6 +91,7 @@ def test_the_main_threads_stages_add_up_to_the_wall_time(tokenizer_dir, texts):
     assert sum(stages[s] for s in MAIN_THREAD_STAGES) == pytest.approx(result["wall_seconds"], abs=0.05)
 
 
+@pytest.mark.slow
 def test_the_cuda_start_is_reported_with_its_own_wall_time(tokenizer_dir, texts, monkeypatch):
     from fastppl.accel.warm_up import _TimedThread
 
@@ -148,6 +151,7 @@ def test_on_cuda_a_checkpoint_loaded_straight_to_the_gpu_beside_tokenizing_gives
     assert overlapped["nll_sum"] == sequential["nll_sum"] and overlapped["tokens_scored"] == sequential["tokens_scored"]
 
 
+@pytest.mark.slow
 def test_the_command_reports_the_process_start_before_evaluate(tokenizer_dir, texts, tmp_path):
     import json
     from fastppl.cli import main

@@ -78,25 +78,25 @@ def test_fused_greedy_tokens_equal_the_eager_decode_step(lengths):
 
 @pytest.mark.slow   # Triton's interpreter on the CPU
 def test_attention_combines_many_chunks_of_an_odd_length_cache_and_a_reused_decoder_restarts(monkeypatch):
-    """4-slot chunks and a 42-slot cache: the attention spans up to 9 chunks, the last one partial, so the
+    """4-slot chunks and a 26-slot cache: the attention spans up to 7 chunks, the last one partial, so the
     chunk combine (and its rescaling by each chunk's max) decides every token. The same decoder then
     serves prompts of other lengths and padding."""
     monkeypatch.setattr(fused_decode, "CHUNK", 4)
     model = sharp_model(TINY)
     first, then = prompts_of([1, 12], TINY.vocab_size, seed=11), prompts_of([9, 2], TINY.vocab_size, seed=12)
-    expected_first = G.generate(model, first, 24, compile=False).tokens   # before: generate replaces the cache
-    expected_then = G.generate(model, then, 20, compile=False).tokens
-    tokens, decoder = fused_tokens(model, first, 24, cache_len=42)
-    assert decoder.n_chunks == 11
+    expected_first = G.generate(model, first, 14, compile=False).tokens   # before: generate replaces the cache
+    expected_then = G.generate(model, then, 16, compile=False).tokens
+    tokens, decoder = fused_tokens(model, first, 14, cache_len=26)     # slots up to 12 + 13 - 1 = 24: chunk 7
+    assert decoder.n_chunks == 7
     assert tokens == expected_first
-    tokens, _ = fused_tokens(model, then, 20, cache_len=42, decoder=decoder)
+    tokens, _ = fused_tokens(model, then, 16, cache_len=26, decoder=decoder)
     assert tokens == expected_then
-    with pytest.raises(RuntimeError, match="past the 42-slot cache"):   # slots 9 + 19 + 15 > 42
-        for _ in range(15):
+    with pytest.raises(RuntimeError, match="past the 26-slot cache"):   # slots 9 + 15 + 3 > 26
+        for _ in range(3):
             decoder.step()
-    setup_kv_cache(model, 2, 42)                                       # a new cache: this decoder is stale
+    setup_kv_cache(model, 2, 26)                                       # a new cache: this decoder is stale
     with pytest.raises(AssertionError, match="moved"):
-        fused_tokens(model, then, 20, cache_len=42, decoder=decoder)
+        fused_tokens(model, then, 16, cache_len=26, decoder=decoder)
 
 
 @pytest.mark.slow   # Triton's interpreter on the CPU
@@ -211,6 +211,7 @@ print(json.dumps(dict(ptx=kernel.asm["ptx"])))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(fused_decode.tl.extra.cuda, "gdc_wait"), reason="this Triton has no dependent launch")
 def test_the_product_kernel_reads_only_weights_before_its_wait():
     """Compiled for an sm_90 target (on the CPU too; in a process of its own, as the tests run Triton's

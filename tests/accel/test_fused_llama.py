@@ -34,8 +34,8 @@ def _model(dtype=torch.float32, **overrides):
     return model.eval().to(dtype)
 
 
-@pytest.mark.parametrize("biases", [False, True])
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("biases", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_fused_forward_equals_the_plain_forward(biases, packed):
     model = _model(qkv_bias=biases, o_bias=biases, mlp_bias=biases)
     ids = torch.randint(0, 50257, (3, 40), device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(1))

@@ -10,6 +10,7 @@ from fastppl.bench.documents import ModeResult, chunked_corpus, docs_report, for
 from fastppl.cli import main
 
 
+@pytest.mark.slow
 def test_tiny_docs_bench_through_the_cli(tmp_path, capsys):
     # ctx 128, not 64: at ctx 64 the only bucket is 64 and bucketed is padded; 16 documents keep it ~15 s
     out = tmp_path / "docs.json"

@@ -12,6 +12,7 @@ from fastppl.models.llama import PRESETS as LLAMA_PRESETS
 from fastppl.models.loading import native_to_hf, random_native
 
 
+@pytest.mark.slow
 def test_bench_generate_cli(tmp_path, capsys):
     out = tmp_path / "gen.json"
     rc = main(["bench", "--generate", "--model", "random:gpt2-tiny", "--batch-sizes", "1,2", "--new-tokens", "8",
@@ -35,7 +36,7 @@ def test_bench_generate_cli(tmp_path, capsys):
     assert "fastppl / hf-static" in table and "hf-dynamic" in table
 
 
-@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
+@pytest.mark.parametrize("preset", ["gpt2-tiny", pytest.param("llama-tiny", marks=pytest.mark.slow)])
 def test_bench_generate_tokens_equal_transformers_in_fp32(preset):
     model = random_native(preset).eval()
     generator = torch.Generator().manual_seed(0)   # not the global RNG: the weights must not depend on test order
@@ -70,6 +71,7 @@ def test_bench_generate_user_errors(capsys):
     assert "positions" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bench_llama_peers_agree(tmp_path, sharpened_random_models):
     """Both rows' NLL against a direct fp32 computation with transformers on the bench's own rows (CPU: fp32):
     fastppl's over all T targets of each row, the labels= peer's over the T - 1 it scores."""

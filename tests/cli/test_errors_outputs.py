@@ -102,6 +102,7 @@ def test_path_too_long_is_a_one_line_error(tmp_path, text, outputs, tokenizer_di
     _assert_user_error(*_main(capsys, args), outputs, "too long")
 
 
+@pytest.mark.slow
 def test_a_fifo_as_output_is_written_in_place_and_a_symlink_followed(tmp_path, text, tokenizer_dir, capsys):
     """--json and --per-doc into one FIFO (as into /dev/stdout) are written to it, not replaced by a regular
     file; a --json symlink keeps being a symlink, to the new report."""

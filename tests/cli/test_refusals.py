@@ -174,6 +174,7 @@ def test_what_the_model_tells_is_refused_once_it_is_built(extra, message, text, 
     _assert_user_error(*_main(capsys, _args(TINY, text, outputs, tokenizer_dir, *extra)), outputs, message)
 
 
+@pytest.mark.slow
 def test_a_text_shorter_than_a_block_names_ctx_and_both_numbers(tmp_path, outputs, tokenizer_dir, capsys):
     """It said "needs at least one block tokens, and the text has 6"."""
     text = tmp_path / "short.txt"

@@ -54,6 +54,7 @@ def test_a_numeric_symbol_that_shifts_digit_groups_beyond_the_checked_context(to
     assert _same_ids(_with_split(tokenizer_dir, LLAMA3_PATTERN), text)
 
 
+@pytest.mark.slow
 def test_a_strip_normalizer_is_never_cut(tokenizer_dir):
     tokenizer = _gpt2(tokenizer_dir)
     tokenizer.normalizer = normalizers.Strip()
@@ -69,6 +70,7 @@ def test_an_added_token_that_takes_in_the_spaces_after_it(tokenizer_dir):
     assert _same_ids(tokenizer, text)
 
 
+@pytest.mark.slow
 def test_an_added_token_that_takes_in_the_spaces_before_it(shakespeare):
     tokenizer = _metaspace(shakespeare)
     tokenizer.add_special_tokens([AddedToken("<mask>", lstrip=True, special=True)])
@@ -166,7 +168,7 @@ def test_fuzz_random_texts_in_pieces_give_the_ids_of_one_encode(rules_alone, tok
 
 @pytest.mark.slow
 def test_fuzz_more_and_longer_texts(rules_alone, tokenizer_dir, shakespeare):
-    _fuzz(tokenizer_dir, shakespeare, texts=20, runs=400)
+    _fuzz(tokenizer_dir, shakespeare, texts=10, runs=400)
 
 
 def test_parallel_encoding_does_not_depend_on_tokenizers_parallelism(tokenizer_dir, monkeypatch):

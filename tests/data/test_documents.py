@@ -101,6 +101,7 @@ def test_batching_modes_match_one_document_at_a_time(tokenizer_dir, corpus_dir, 
             assert document["bytes"] == alone["bytes"]
 
 
+@pytest.mark.slow
 def test_changing_one_document_moves_no_other(tokenizer_dir, corpus_dir, tmp_path):
     for path in corpus_dir.iterdir():
         (tmp_path / path.name).write_bytes(path.read_bytes())
@@ -115,6 +116,7 @@ def test_changing_one_document_moves_no_other(tokenizer_dir, corpus_dir, tmp_pat
             assert after[doc_id]["nll_sum"] == pytest.approx(document["nll_sum"], rel=1e-6), doc_id
 
 
+@pytest.mark.slow
 def test_empty_and_one_token_documents(tokenizer_dir, corpus_dir, capsys):
     result = run(tokenizer_dir, [corpus_dir])
     assert result["documents"] == len(TEXTS) + 3 and result["documents_skipped"] == 1
@@ -133,6 +135,7 @@ def test_empty_and_one_token_documents(tokenizer_dir, corpus_dir, capsys):
     assert "(1 skipped: no token to score)" in out and "padding waste" in out and "word ppl" in out
 
 
+@pytest.mark.slow
 def test_unicode_crlf_bytes_words_and_metrics(tokenizer_dir, corpus_dir):
     result = run(tokenizer_dir, [corpus_dir])
     documents = by_id(result)
@@ -188,6 +191,7 @@ def test_lm_eval_word_count_is_re_split_on_any_text(monkeypatch, alphabet):
         assert lm_eval_word_count(text) == len(re.split(r"\s+", text)), repr(text)
 
 
+@pytest.mark.slow
 def test_per_doc_file_and_json(tokenizer_dir, corpus_dir, tmp_path):
     per_doc, report = tmp_path / "docs.jsonl", tmp_path / "r.json"
     rc = main(["eval", "--model", "random:gpt2-tiny", "--tokenizer", str(tokenizer_dir), "--data", str(corpus_dir),
@@ -204,6 +208,7 @@ def test_per_doc_file_and_json(tokenizer_dir, corpus_dir, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "r.json"]   # no temporary files left
 
 
+@pytest.mark.slow
 def test_hf_backend_batches_by_buckets_and_refuses_packing(tokenizer_dir, corpus_dir):
     native = run(tokenizer_dir, [corpus_dir], batching="padded")
     hf = run(tokenizer_dir, [corpus_dir], backend="hf")
@@ -213,6 +218,7 @@ def test_hf_backend_batches_by_buckets_and_refuses_packing(tokenizer_dir, corpus
         run(tokenizer_dir, [corpus_dir], backend="hf", batching="packed")
 
 
+@pytest.mark.slow
 def test_several_data_arguments_and_jsonl_with_unicode_line_separators(tokenizer_dir, corpus_dir, tmp_path):
     jsonl = tmp_path / "d.jsonl"
     records = [{"text": "first\u2028still the first document\u0085"}, {"text": ""}, {"text": "third"}]

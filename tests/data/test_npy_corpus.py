@@ -18,7 +18,8 @@ def _run(tokenizer_dir, data, **kwargs):
 
 @pytest.mark.parametrize("window", [
     {"window": "chunked"},
-    {"window": "sliding", "stride": 16},     # the unscored first token's bytes come out of the decoded text
+    # the unscored first token's bytes come out of the decoded text
+    pytest.param({"window": "sliding", "stride": 16}, marks=pytest.mark.slow),
 ])
 def test_token_ids_score_as_the_text_they_encode(tmp_path, tokenizer_dir, window):
     text_file = tmp_path / "text.txt"

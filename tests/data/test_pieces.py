@@ -82,7 +82,8 @@ def adversarial_text(shakespeare) -> str:
                    for i, p in enumerate(prose))
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama3_style", "metaspace_always", "metaspace_first"])
+@pytest.mark.parametrize("name", ["gpt2", "llama3_style", pytest.param("metaspace_always", marks=pytest.mark.slow),
+                                  "metaspace_first"])
 def test_pieces_give_the_ids_of_one_encode(name, request, shakespeare):
     tokenizer = request.getfixturevalue(name)
     text = adversarial_text(shakespeare)
@@ -105,6 +106,7 @@ def test_long_runs_of_one_pattern_are_not_cut_wrongly(name, run, request):
                                                                                   add_special_tokens=False).ids
 
 
+@pytest.mark.slow
 def test_a_tokenizer_without_a_pre_tokenizer_is_encoded_whole(shakespeare):
     """Llama-2's tokenizer.json: a normalizer that prepends to the text's start, and no pre-tokenizer."""
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -116,6 +118,7 @@ def test_a_tokenizer_without_a_pre_tokenizer_is_encoded_whole(shakespeare):
     assert encoded.ids.tolist() == tokenizer.encode(text).ids
 
 
+@pytest.mark.slow
 def test_the_report_says_when_texts_were_encoded_whole(shakespeare, tmp_path):
     import json
     from fastppl.cli import main
@@ -130,6 +133,7 @@ def test_the_report_says_when_texts_were_encoded_whole(shakespeare, tmp_path):
     assert report["tokenization"] == "whole texts: the tokenizer has no pre-tokenizer to cut the text at"
 
 
+@pytest.mark.slow
 def test_no_safe_cut_falls_back_to_one_encode(shakespeare, gpt2):
     """Metaspace without splitting makes one pre-token of the whole text: no cut is proven safe."""
     unsplit = _metaspace(shakespeare, "first", split=False)
@@ -159,6 +163,7 @@ def test_tinyshakespeare_in_pieces_matches_the_known_count(gpt2, shakespeare, mo
     assert encoded.pieces > 10 and len(encoded.ids) == 338_025
 
 
+@pytest.mark.slow
 def test_a_run_scores_the_same_whether_its_text_is_cut_or_not(shakespeare, tokenizer_dir, tmp_path, monkeypatch):
     """The whole result, not just the ids: one text tokenised in pieces and in one encode gives the same report."""
     import json
@@ -179,17 +184,17 @@ def test_a_run_scores_the_same_whether_its_text_is_cut_or_not(shakespeare, token
 @pytest.mark.slow
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="parallel pieces need two cores")
 def test_pieces_beat_one_encode_on_many_cores(gpt2, shakespeare, monkeypatch):
-    """TinyShakespeare 30 times (33 MB, 10.1 M tokens) is cut into pieces, which on two cores or more encode at least
+    """TinyShakespeare 10 times (11 MB, 3.4 M tokens) is cut into pieces, which on two cores or more encode at least
     1.3 times as fast as one encode (a ratio on the same machine; the absolute rate is the benchmark's), and give the
     ids of that encode."""
     import time
     monkeypatch.setattr(pieces, "PIECE_CHARS", 1 << 16)   # the product's own piece size
-    text = shakespeare.read_text() * 30
+    text = shakespeare.read_text() * 10
     started = time.perf_counter()
     encoded = encode_in_pieces(gpt2, text)
     in_pieces = time.perf_counter() - started
     started = time.perf_counter()
     whole = gpt2.encode(text, add_special_tokens=False).ids
     one_encode = time.perf_counter() - started
-    assert encoded.pieces > 400 and encoded.ids.tolist() == whole
+    assert encoded.pieces > 150 and encoded.ids.tolist() == whole
     assert one_encode / in_pieces >= 1.3, f"{one_encode / in_pieces:.2f}x one encode"

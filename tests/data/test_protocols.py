@@ -104,7 +104,7 @@ def test_wikitext_rows_are_the_datasets_builders(data_dir):
 
 
 @pytest.mark.parametrize("tokenizer", ["gpt2", "bos"])
-@pytest.mark.parametrize("ctx", [16, 37])
+@pytest.mark.parametrize("ctx", [16, pytest.param(37, marks=pytest.mark.slow)])
 def test_gptq_wikitext2_equals_its_loop(tokenizer_dir, bos_tokenizer_dir, data_dir, tokenizer, ctx):
     path = tokenizer_dir if tokenizer == "gpt2" else bos_tokenizer_dir
     plan, documents, tokens, fast_tokenizer, datasets = plan_of("gptq", ["wikitext2"], path, ctx, data_dir=data_dir)
@@ -120,6 +120,7 @@ def test_gptq_wikitext2_equals_its_loop(tokenizer_dir, bos_tokenizer_dir, data_d
     assert scored_bytes_by_document(documents, tokens, plan, fast_tokenizer)[0] == expected_bytes
 
 
+@pytest.mark.slow
 def test_gptq_c4_takes_1100_documents_and_256_blocks(tokenizer_dir, data_dir):
     ctx = 4   # 1,100 short documents hold more than 256 blocks of 4 tokens: the block limit applies
     plan, documents, *_ = plan_of("gptq", ["c4"], tokenizer_dir, ctx, data_dir=data_dir)
@@ -132,7 +133,7 @@ def test_gptq_c4_takes_1100_documents_and_256_blocks(tokenizer_dir, data_dir):
 
 
 @pytest.mark.parametrize("tokenizer", ["gpt2", "bos"])
-@pytest.mark.parametrize("n_ctx", [16, 17])
+@pytest.mark.parametrize("n_ctx", [16, pytest.param(17, marks=pytest.mark.slow)])
 def test_llama_cpp_equals_its_loop(tmp_path, tokenizer_dir, bos_tokenizer_dir, shakespeare, tokenizer, n_ctx):
     path = tokenizer_dir if tokenizer == "gpt2" else bos_tokenizer_dir
     text_path = tmp_path / "wiki.test.raw"
@@ -144,6 +145,7 @@ def test_llama_cpp_equals_its_loop(tmp_path, tokenizer_dir, bos_tokenizer_dir, s
         assert all(pair[0][0] == 50256 for pair in expected)
 
 
+@pytest.mark.slow
 def test_lm_eval_wikitext_equals_its_task(tmp_path, tokenizer_dir, shakespeare):
     raw = wikitext_raw(shakespeare.read_text())
     pages = [raw[:len(raw) // 3], raw[len(raw) // 3:], ""]
@@ -242,6 +244,7 @@ def test_corpus_errors(tmp_path, tokenizer_dir, data_dir):
         EvalConfig(model="m", data=["c4"])
 
 
+@pytest.mark.slow
 def test_presets_of_todays_windows_are_those_windows(tmp_path, tokenizer_dir, shakespeare):
     """lm-eval-rolling is --window chunked, and hf-guide on one text with GPT-2's tokenizer (no BOS added) is
     --window sliding: the same streams and windows."""

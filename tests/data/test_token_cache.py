@@ -109,6 +109,7 @@ def test_big_entries_are_memory_mapped(cache, gpt2, monkeypatch):
     assert np.array_equal(encode_cached(gpt2, text), ids) and mapped
 
 
+@pytest.mark.slow
 def test_cached_run_gives_the_same_result_as_before_and_after_damage(cache, tmp_path, tokenizer_dir, capsys):
     """The report's sums come from verified ids only: an edited entry changes nothing but the time."""
     data = tmp_path / "long.txt"

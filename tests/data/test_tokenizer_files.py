@@ -100,6 +100,7 @@ def test_the_fast_path_never_imports_transformers(tmp_path, tokenizer_dir):
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.slow
 def test_a_class_with_its_own_pipeline_goes_through_transformers(tmp_path, tokenizer_dir):
     """LlamaTokenizer and the like may rebuild the tokenizer from its vocabulary: tokenizer.json alone is not
     what transformers would use."""
@@ -114,6 +115,7 @@ def test_a_class_with_its_own_pipeline_goes_through_transformers(tmp_path, token
     assert used
 
 
+@pytest.mark.slow
 def test_truncation_and_padding_in_tokenizer_json_are_ignored(tmp_path, tokenizer_dir, shakespeare):
     """Scoring reads every token: a tokenizer.json saved with truncation and padding (for a classifier) neither
     truncates a text nor pads the pieces encoded together."""

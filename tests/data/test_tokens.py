@@ -41,6 +41,7 @@ def gpt2(tokenizer_dir):
 
 
 # -------------------------------------------------------------------------------- token counts
+@pytest.mark.slow
 def test_tinyshakespeare_token_counts(shakespeare, gpt2):
     """nanoGPT's published counts: GPT-2 BPE of the 90 % / 10 % character split, no special tokens."""
     text = shakespeare.read_text(encoding="utf-8")
@@ -85,6 +86,7 @@ def test_cache_is_keyed_by_text(cache, gpt2, monkeypatch):
         encode_cached(gpt2, LONG_TEXT + "!")        # another text must be tokenised, not looked up
 
 
+@pytest.mark.slow
 def test_cache_is_keyed_by_tokenizer(cache, gpt2, tokenizer_dir, tmp_path):
     # the same vocabulary with a prefix space added maps the same text to other ids
     other_dir = tmp_path / "other-tokenizer"
@@ -101,6 +103,7 @@ def test_cache_is_keyed_by_tokenizer(cache, gpt2, tokenizer_dir, tmp_path):
     assert len(list((cache / "tokens").glob("*.tokens"))) == 2
 
 
+@pytest.mark.slow
 def test_cache_is_keyed_by_the_tokenizer_file(cache, gpt2, tokenizer_dir, tmp_path):
     # tokenizer.json alone changed (read without transformers, fingerprinted by its bytes): other ids
     other_dir = tmp_path / "edited-tokenizer"
@@ -125,6 +128,7 @@ def test_damaged_cache_entry_is_recomputed(cache, gpt2, damage):
     assert np.array_equal(encode_cached(gpt2, LONG_TEXT), ids)
 
 
+@pytest.mark.slow
 def test_pipeline_uses_the_cache(cache, tmp_path, tokenizer_dir, monkeypatch):
     data = tmp_path / "long.txt"
     data.write_text(LONG_TEXT)

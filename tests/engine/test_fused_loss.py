@@ -76,6 +76,7 @@ def test_no_rows_launches_nothing():
     assert out.shape == (0,) and out.dtype == torch.float32
 
 
+@pytest.mark.slow
 def test_compiled_op_with_a_bias_equals_the_eager_kernel():
     """Under torch.compile the kernel is one opaque custom op, with or without a bias (a bias used to bypass
     the op and let Dynamo trace the launch and its host-side descriptors)."""
@@ -87,7 +88,7 @@ def test_compiled_op_with_a_bias_equals_the_eager_kernel():
     assert torch.equal(compiled(h, w, t, b), fused_loss.fused_token_nll(h, w, t, b))
 
 
-@pytest.mark.parametrize("tma", [True, False])
+@pytest.mark.parametrize("tma", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_vocabulary_segments_agree_and_a_row_does_not_depend_on_its_batch(tma):
     """The vocabulary split over several programs per row block (and combined after) against one program per row
     block, within the kernel's fp32 tolerance; and each row's NLL bit for bit the same when the batch holds other
@@ -112,6 +113,7 @@ def test_vocabulary_segments_agree_and_a_row_does_not_depend_on_its_batch(tma):
     assert fused_loss.vocabulary_segments(50, 64) == 1 and fused_loss.vocabulary_segments(50257, 256) == 9
 
 
+@pytest.mark.slow
 def test_pointer_offsets_in_int64_where_int32_would_wrap(monkeypatch):
     """Row x stride past 2^31 elements wrapped in int32 on the pointer path (a wrong read, or an illegal access):
     such shapes take int64 offsets. The int64 variant is checked here on a small input, forced on."""

@@ -54,6 +54,7 @@ def test_changing_one_packed_document_leaves_the_others_bit_identical():
     assert (before[0, 10:22] - after[0, 10:22]).abs().max() > 1e-2
 
 
+@pytest.mark.slow
 def test_flex_attention_block_mask_matches_the_sdpa_mask():
     """The CUDA path's block mask, run through the eager (reference) flex_attention on the CPU."""
     import warnings
@@ -254,6 +255,7 @@ def test_out_of_memory_in_varlen_propagates_for_the_batch_back_off(monkeypatch):
     assert attention.varlen_failure() is None
 
 
+@pytest.mark.slow
 def test_packed_kernel_agreement_on_the_cpu():
     """The helper the GPU checks use: on the CPU all three ways are the SDPA mask or plain SDPA (fp32)."""
     from fastppl.bench.documents import packed_kernel_agreement

@@ -100,6 +100,7 @@ def test_qwen3_per_head_norms_are_read_and_used(tmp_path):
     assert _max_rel(_native_nll(model, ids), _hf_nll(hf, ids)) > 100 * FP32_RTOL
 
 
+@pytest.mark.slow
 def test_qwen3_through_eval_equals_transformers(tmp_path, tokenizer_dir):
     """`fastppl eval --model DIR`'s path (fastppl.pipeline.evaluate): the per-token NLLs of one chunked window,
     which starts with the tokenizer's <|endoftext|> as BOS."""
@@ -196,6 +197,7 @@ def test_qwen_sliding_window_caps_the_context_only_where_a_layer_slides(tmp_path
 
 
 # ------------------------------------------------------------------------------------------ the registry
+@pytest.mark.slow
 def test_every_random_preset_is_built_by_its_family_and_has_a_transformers_twin():
     for preset in presets():
         if preset in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "llama-1b"):

@@ -94,6 +94,7 @@ def test_mistral_context_capped_at_its_sliding_window(tmp_path, tokenizer_dir, c
     assert "maximum of 48 positions (the checkpoint's sliding attention window" in error and "--backend hf" in error
 
 
+@pytest.mark.slow
 def test_random_llama_tiny_matches_its_transformers_twin():
     native = random_native("llama-tiny").eval()
     assert native.config.rope_type == "llama3"

@@ -71,6 +71,7 @@ def test_a_report_with_null_where_a_value_was_not_finite_compares(tmp_path, caps
     assert "+797.000000" in row and row.count("n/a") == 2, row   # PPL and its difference
 
 
+@pytest.mark.slow
 @needs_matplotlib
 def test_a_null_perplexity_is_drawn_as_n_a(tmp_path, capsys):
     a = write(tmp_path / "a.json", make_result(3.0))
@@ -132,6 +133,7 @@ def test_the_same_corpus_by_another_path_is_comparable(tmp_path, capsys):
     assert main(["compare", a, b]) == 0
 
 
+@pytest.mark.slow
 def test_runs_compare_by_the_text_they_scored_not_the_file_names(tmp_path, capsys, tokenizer_dir):
     """tinyshakespeare.txt by path against the built-in `tinyshakespeare` must not be refused as other corpora
     for their different names. The reports' corpus_sha256 decides: a renamed copy of the text is the
@@ -295,6 +297,7 @@ def test_bad_per_doc_lines_are_one_line_errors(tmp_path, capsys, line, message):
     assert message in one_line_error(capsys)
 
 
+@pytest.mark.slow
 @needs_matplotlib
 def test_comparison_figures(tmp_path, capsys):
     a = write(tmp_path / "a.json", result_of(DOCS_A))
@@ -389,6 +392,7 @@ def test_compare_gives_the_paired_difference_with_its_interval(tmp_path, capsys)
     assert "eval --bootstrap N on the same text" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_two_tokenizers_on_one_text_compare_without_force(tmp_path, capsys, tokenizer_dir, shakespeare):
     """GPT-2's tokenizer against one with a tenth of its merges (more, shorter tokens): the same text, other
     tokens. compare takes them without --force and pairs their documents by bits per byte."""

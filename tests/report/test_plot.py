@@ -48,7 +48,7 @@ def _jsonl_corpus(tmp_path):
 
 @pytest.mark.parametrize("window_args", [
     ["--window", "chunked", "--batch-size", "3"],
-    ["--window", "sliding", "--stride", "8", "--batch-size", "5"],
+    pytest.param(["--window", "sliding", "--stride", "8", "--batch-size", "5"], marks=pytest.mark.slow),
 ], ids=["chunked-jsonl", "sliding-stride8"])
 def test_position_sums_equal_the_per_token_dump(tmp_path, tokenizer_dir, window_args):
     data = _jsonl_corpus(tmp_path)
@@ -80,6 +80,7 @@ def test_position_sums_equal_the_per_token_dump(tmp_path, tokenizer_dir, window_
         assert mean[ctx - 1] is None   # a sliding window reads at most ctx - 1 inputs
 
 
+@pytest.mark.slow
 @needs_matplotlib
 def test_eval_plot_writes_a_png_of_the_expected_size(tmp_path, tokenizer_dir):
     text = tmp_path / "t.txt"

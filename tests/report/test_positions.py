@@ -54,7 +54,8 @@ def _window_positions(token_counts, window, ctx, stride=None):
 
 
 @pytest.mark.parametrize("window_args", [["--window", "chunked", "--batch-size", "3"],
-                                         ["--window", "sliding", "--stride", "24", "--batch-size", "5"]],
+                                         pytest.param(["--window", "sliding", "--stride", "24", "--batch-size", "5"],
+                                                      marks=pytest.mark.slow)],
                          ids=["chunked", "sliding-stride24"])
 def test_bucket_sums_equal_the_per_token_dumps_grouped_sums(tmp_path, tokenizer_dir, window_args):
     lines = ["To be, or not to be, that is the question:", "Whether 'tis nobler in the mind to suffer " * 9,

@@ -99,6 +99,7 @@ def test_the_json_report_keeps_its_fields_order_and_values(tmp_path, tokenizer_d
     assert "nll " in capsys.readouterr().out   # the summary printed
 
 
+@pytest.mark.slow
 def test_evaluate_gives_typed_fields_that_the_report_repeats(tmp_path, tokenizer_dir, corpus):
     result = evaluate(EvalConfig(model="random:gpt2-tiny", data=[str(corpus)], tokenizer=str(tokenizer_dir),
                                  device="cpu", ctx=16, batch_size=3, per_token="(kept)", per_doc="(kept)", quiet=True))

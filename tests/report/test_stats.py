@@ -48,6 +48,7 @@ def run(tokenizer_dir, data, **overrides):
     return evaluate(EvalConfig(**settings))
 
 
+@pytest.mark.slow
 def test_standard_errors_equal_a_direct_computation_on_the_per_token_nll(tmp_path, tokenizer_dir, records,
                                                                          sharpened_random_models):
     for window in ("chunked", "sliding"):
@@ -78,6 +79,7 @@ def brute_force_bootstrap(nll_sums, tokens, replicates, seed):
     return list(np.percentile(ratios, [2.5, 97.5]))
 
 
+@pytest.mark.slow
 def test_bootstrap_over_documents_equals_a_brute_force_loop_and_is_reproducible(tmp_path, tokenizer_dir, records,
                                                                                 sharpened_random_models):
     data = write_jsonl(tmp_path / "docs.jsonl", records)
@@ -96,6 +98,7 @@ def test_bootstrap_over_documents_equals_a_brute_force_loop_and_is_reproducible(
     assert run(tokenizer_dir, [data])["bootstrap"] is None
 
 
+@pytest.mark.slow
 def test_bootstrap_of_a_single_document_resamples_its_windows(tmp_path, tokenizer_dir, shakespeare,
                                                              sharpened_random_models):
     text = tmp_path / "one.txt"
