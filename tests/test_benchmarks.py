@@ -93,7 +93,8 @@ def test_gpu_check_quick_writes_its_table_and_files(tmp_path, tokenizer_dir, sha
     beside their peers, one table (printed and in summary.md) and at most six files."""
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_check.py"), str(out), "--quick", "--budget", "400",
-                           "--tokenizer", str(tokenizer_dir), "--data", str(shakespeare)],
+                           "--tokenizer", str(tokenizer_dir), "--data", str(shakespeare),
+                           "--tests", "tests/test_gpu.py"],   # one file: collecting the whole suite took 14 s
                           env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), capture_output=True, text=True,
                           timeout=450, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
