@@ -43,6 +43,24 @@ def gguf_spec(spec: str) -> Optional[tuple[Optional[str], str]]:
     return (hub.group(1), hub.group(2)) if hub and not Path(spec).expanduser().exists() else (None, spec)
 
 
+def gguf_local_path(spec: str, flag: str = "--model") -> Path:
+    """The local file a GGUF spec names (gguf_spec): the file itself, or owner/repo:FILE.gguf downloaded once into
+    the Hugging Face cache; `flag` is the option the error names."""
+    from .errors import first_line, no_such
+    repo, filename = gguf_spec(spec)
+    if repo is None:
+        path = Path(filename).expanduser()
+        if not path.is_file():
+            raise FastpplError(f"{spec}: {no_such(path)}; check {flag}")
+        return path
+    try:
+        from huggingface_hub import hf_hub_download
+        return Path(hf_hub_download(repo, filename))
+    except Exception as e:
+        raise FastpplError(f"{spec}: the hub did not serve {filename} of {repo} ({first_line(e)}); check the "
+                           f"repository and file name, or pass {flag} PATH to a local .gguf file") from None
+
+
 def cache_dir() -> Path:
     """Where downloads, token ids and compiled artefacts are kept (FASTPPL_CACHE_DIR overrides)."""
     root = os.environ.get("FASTPPL_CACHE_DIR")

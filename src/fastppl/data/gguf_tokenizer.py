@@ -5,24 +5,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from ..config import gguf_spec
-from ..errors import FastpplError, first_line, no_such
-
-
-def gguf_local_path(spec: str) -> Path:
-    """The local file of a GGUF --model or --tokenizer: the path, or owner/repo:FILE.gguf from the hub's cache."""
-    repo, filename = gguf_spec(spec)
-    if repo is None:
-        path = Path(filename).expanduser()
-        if not path.is_file():
-            raise FastpplError(f"{spec}: {no_such(path)}; check --model or --tokenizer")
-        return path
-    try:
-        from huggingface_hub import hf_hub_download
-        return Path(hf_hub_download(repo, filename))
-    except Exception as e:
-        raise FastpplError(f"{spec}: the hub did not serve {filename} of {repo} ({first_line(e)}); check the "
-                           "repository and file name, or pass a local .gguf file") from None
+from ..config import gguf_local_path
+from ..errors import FastpplError, first_line
 
 
 def _converted(path: Path):
@@ -41,7 +25,7 @@ def _converted(path: Path):
 
 def gguf_tokenizer_fields(spec: str) -> dict:
     """The fields of a fastppl.data.tokenize.Tokenizer (all but its name) for a GGUF file's tokenizer."""
-    path = gguf_local_path(spec)
+    path = gguf_local_path(spec, "--model or --tokenizer")
     try:
         backend, settings = _converted(path)
     except FastpplError:

@@ -15,8 +15,8 @@ from typing import Optional
 
 import torch
 
-from ..config import gguf_spec
-from ..errors import FastpplError, first_line, no_such
+from ..config import gguf_local_path
+from ..errors import FastpplError, first_line
 from .gguf_file import GGUFTensorInfo, read_header
 from .gguf_quants import dequantize, stored_bytes, supported_type
 from .weights import StoredTensor
@@ -58,26 +58,9 @@ class GGUFCheckpoint:
     index: dict[str, StoredTensor]  # transformers names -> tensors dequantized when read
 
 
-def resolve_gguf_path(spec: str) -> Path:
-    """The local file a GGUF --model names: the file itself, or (owner/repo:FILE.gguf) the hub's, downloaded
-    once into the Hugging Face cache."""
-    repo, filename = gguf_spec(spec)
-    if repo is None:
-        path = Path(filename).expanduser()
-        if not path.is_file():
-            raise FastpplError(f"{spec}: {no_such(path)}; check --model")
-        return path
-    try:
-        from huggingface_hub import hf_hub_download
-        return Path(hf_hub_download(repo, filename))
-    except Exception as e:
-        raise FastpplError(f"{spec}: the hub did not serve {filename} of {repo} ({first_line(e)}); check the "
-                           "repository and file name, or pass --model PATH to a local .gguf file") from None
-
-
 def open_gguf(spec: str) -> GGUFCheckpoint:
     """A GGUF file's config and tensor index, checked (architecture, tensor types and extents); no weight read."""
-    path = resolve_gguf_path(spec)
+    path = gguf_local_path(spec)
     meta, infos = read_header(path)
     architecture = meta.get("general.architecture")
     if architecture not in ARCHITECTURES:
