@@ -147,7 +147,8 @@ def test_a_file_that_ends_inside_a_tensor_is_one_line_when_staged(tmp_path, monk
         load_model(str(directory), "native", torch.float32)
 
 
-def test_staging_is_for_a_gpu_and_safetensors_only(tmp_path):
+def test_staging_is_for_a_gpu_and_safetensors_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTPPL_STAGED_LOAD", "1")
     directory = _save_llama_in_shards(tmp_path / "model", torch.bfloat16)
     index = weights.index_checkpoint(sorted(directory.glob("*.safetensors")))
     pieces = [(stored, weights.Piece(name, 0, 1)) for name, stored in index.items()]
@@ -156,6 +157,8 @@ def test_staging_is_for_a_gpu_and_safetensors_only(tmp_path):
     assert staging is not None and staging.pinned and staging.n_buffers * staging.buffer_bytes <= 1 << 30
     in_memory = weights.StoredTensor(torch.float32, (1,), directory, tensor=torch.zeros(1))
     assert weights.default_staging(torch.device("cuda"), pieces + [(in_memory, weights.Piece("x", 0, 1))]) is None
+    monkeypatch.delenv("FASTPPL_STAGED_LOAD")   # opt-in until it has run on a GPU
+    assert weights.default_staging(torch.device("cuda"), pieces) is None
 
 
 @pytest.mark.gpu
