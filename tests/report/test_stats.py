@@ -15,7 +15,6 @@ from fastppl.report.stats import (Units, bits_per_byte, bootstrap, mean_standard
                                   paired_difference)
 
 CTX = 32
-SOURCES = ("wiki", "books", "code")
 
 _load_tokenizer_once = functools.lru_cache(load_tokenizer)
 
@@ -23,16 +22,6 @@ _load_tokenizer_once = functools.lru_cache(load_tokenizer)
 @pytest.fixture(autouse=True)
 def _tokenizer_loaded_once(monkeypatch):
     monkeypatch.setattr(pipeline, "load_tokenizer", _load_tokenizer_once)
-
-
-@pytest.fixture(scope="module")
-def records(shakespeare):
-    text = shakespeare.read_text()
-    # documents of several lengths (some of one window, some of several), three groups of unequal size
-    lengths = [90, 400, 150, 260, 30, 500, 120, 210, 75, 330]
-    starts = np.cumsum([0] + lengths[:-1]) + 2000
-    return [{"id": f"doc-{i}", "source": SOURCES[i % 3] if i < 8 else "wiki", "text": text[s:s + n]}
-            for i, (s, n) in enumerate(zip(starts, lengths))]
 
 
 def write_jsonl(path, records):
