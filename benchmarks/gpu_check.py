@@ -240,7 +240,7 @@ def benchmark_commands(args, scratch: Path) -> dict[str, tuple[list[str], float]
         "loss": ([*device, "--shapes", "gpt2,llama-1b", "--rounds", "3", "--reps", "5", "--no-compile"], 60),
         "scorer": ([*device, "--model", "gpt2", "--batch", "32", "--seq", "1024", "--variants",
                     "eager,eager-plain,chunked-eager", "--rounds", "2", "--batches", "5", "--warmup", "2"], 60),
-        # the Llama family's fused trunk (eager, FASTPPL_FUSED_LLAMA_TRUNK=1 set below) against the plain modules
+        # the Llama family's fused trunk (eager, as eval runs) against the plain modules
         "scorer llama-1b": ([*device, "--model", "llama-1b", "--batch", "8", "--seq", "2048", "--variants",
                              "eager,eager-plain", "--rounds", "2", "--batches", "4", "--warmup", "1"], 70),
         "end_to_end": (["--model", "random:gpt2", *device, "--runs", "2", *tokenizer, "--data", data], 75),
@@ -398,9 +398,7 @@ def run_benchmarks(args, outdir: Path, env: dict, scratch: Path, clock: Clock, e
         if chosen == "none" or (chosen != "all" and name not in chosen):
             continue
         script = BENCHMARKS / f"{name.split()[0]}.py"   # "scorer llama-1b": scorer.py on another model
-        # the fused Llama trunk is opt-in: its scorer row times it against the plain modules
-        stage_env = dict(env, FASTPPL_FUSED_LLAMA_TRUNK="1") if name == "scorer llama-1b" else env
-        process = start([sys.executable, str(script), *arguments], outdir / "bench.log", stage_env)
+        process = start([sys.executable, str(script), *arguments], outdir / "bench.log", env)
         status, seconds = finish(process, min(limit, max(clock.left(), 1.0)))
         output = _stage_output(outdir / "bench.log")
         benchmarks[name] = {"status": status, "seconds": round(seconds, 1), "figures": figures_of(name, output)}

@@ -148,7 +148,7 @@ def test_a_file_that_ends_inside_a_tensor_is_one_line_when_staged(tmp_path, monk
 
 
 def test_staging_is_for_a_gpu_and_safetensors_only(tmp_path, monkeypatch):
-    monkeypatch.setenv("FASTPPL_STAGED_LOAD", "1")
+    monkeypatch.delenv("FASTPPL_STAGED_LOAD", raising=False)   # on by default
     directory = _save_llama_in_shards(tmp_path / "model", torch.bfloat16)
     index = weights.index_checkpoint(sorted(directory.glob("*.safetensors")))
     pieces = [(stored, weights.Piece(name, 0, 1)) for name, stored in index.items()]
@@ -157,7 +157,7 @@ def test_staging_is_for_a_gpu_and_safetensors_only(tmp_path, monkeypatch):
     assert staging is not None and staging.pinned and staging.n_buffers * staging.buffer_bytes <= 1 << 30
     in_memory = weights.StoredTensor(torch.float32, (1,), directory, tensor=torch.zeros(1))
     assert weights.default_staging(torch.device("cuda"), pieces + [(in_memory, weights.Piece("x", 0, 1))]) is None
-    monkeypatch.delenv("FASTPPL_STAGED_LOAD")   # opt-in until it has run on a GPU
+    monkeypatch.setenv("FASTPPL_STAGED_LOAD", "0")   # the switch that turns it off
     assert weights.default_staging(torch.device("cuda"), pieces) is None
 
 

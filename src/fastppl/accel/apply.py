@@ -38,9 +38,8 @@ class Acceleration:
 
 
 def fused_trunk_enabled() -> bool:
-    """The fused Llama trunk is opt-in (FASTPPL_FUSED_LLAMA_TRUNK=1) until its bf16 check and its speed against the
-    plain modules have run on a GPU (benchmarks/gpu_check.py runs both)."""
-    return os.environ.get("FASTPPL_FUSED_LLAMA_TRUNK") == "1"
+    """The fused Llama trunk is on unless FASTPPL_FUSED_LLAMA_TRUNK=0 (the plain modules, to compare or bisect)."""
+    return os.environ.get("FASTPPL_FUSED_LLAMA_TRUNK") != "0"
 
 
 def takes_document_ids(model: nn.Module) -> bool:

@@ -175,11 +175,11 @@ class Staging:
 
 
 def default_staging(device: torch.device, pieces: list[tuple[StoredTensor, Piece]]) -> Optional[Staging]:
-    """Staging onto a GPU from safetensors files, opt-in (FASTPPL_STAGED_LOAD=1) until its GPU test and load time
-    have run on a GPU; None (a tensor at a time) otherwise, on the CPU, whose parameters take the file's bytes
+    """Staging onto a GPU from safetensors files (FASTPPL_STAGED_LOAD=0 turns it off, to compare or bisect); None
+    (a tensor at a time) otherwise: with it off, on the CPU, whose parameters take the file's bytes
     directly, for .bin files (memory-mapped tensors), quantized tensors (decoded one at a time on the device) or
     where os.preadv is missing."""
-    if os.environ.get("FASTPPL_STAGED_LOAD") != "1" or device.type != "cuda" or not hasattr(os, "preadv") or \
+    if os.environ.get("FASTPPL_STAGED_LOAD") == "0" or device.type != "cuda" or not hasattr(os, "preadv") or \
             any(s.tensor is not None or s.decode is not None for s, _ in pieces):
         return None
     return Staging(n_threads=min(Staging.n_threads, os.cpu_count() or 1))
