@@ -1,7 +1,7 @@
-"""GGUF files as models: tiny random Llama, Qwen2 and GPT-2 checkpoints written with gguf's own writer (llama.cpp's
-layout: q and k rows permuted for Llama, GPT-2's matrices as (out, in)) load to the weights transformers' GGUF
-loader gives and score as transformers does in fp32; the tokenizer's ids are transformers'; bad files are one
-line."""
+"""GGUF files as models: tiny random Llama, Qwen2, Qwen3 and GPT-2 checkpoints written with gguf's own writer
+(llama.cpp's layout: q and k rows permuted for Llama only, GPT-2's matrices as (out, in), Qwen3's head_dim as
+attention.key_length) load natively to the weights transformers' GGUF loader gives and score as transformers does in
+fp32; the tokenizer's ids are transformers'; bad files are one line."""
 import json
 
 import numpy as np
@@ -16,8 +16,8 @@ from fastppl.engine.score import make_score_fn  # noqa: E402
 from fastppl.errors import FastpplError  # noqa: E402
 from fastppl.models import load_model  # noqa: E402
 from fastppl.models.gguf import unpermute_rope_rows  # noqa: E402
-from fastppl.models.gpt2 import state_dict_to_hf as gpt2_state_dict_to_hf  # noqa: E402
 from fastppl.models.llama import state_dict_to_hf as llama_state_dict_to_hf  # noqa: E402
+from fastppl.models.registry import spec_of  # noqa: E402
 
 FP32_RTOL = 1e-5
 Q = gguf.GGMLQuantizationType
@@ -67,7 +67,8 @@ def _permute(weights: torch.Tensor, n_head: int) -> torch.Tensor:
 
 LLAMA_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
                "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}   # the last two: Qwen3's
 
 
 def _matrix_type(name: str, layer: int):
@@ -87,7 +88,11 @@ def _write_llama_family(path, hf_model, architecture: str, tokenizer, matrix_typ
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    writer.add_rope_dimension_count(head_dim)
+    if architecture == "qwen3":   # llama.cpp's converter: config.json's head_dim as the key and value length
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    else:
+        writer.add_rope_dimension_count(head_dim)
     _add_tokenizer(writer, tokenizer)
     state = hf_model.state_dict()
     matrix_type = matrix_type or _matrix_type
@@ -157,6 +162,22 @@ def qwen2_gguf(tmp_path_factory, tiny_tokenizer):
     return path, original
 
 
+# transformers' GGUF loader reads no attention.key_length for qwen3 and builds Qwen3Config's default head_dim,
+# 128 (every Qwen3 release's): the files it is the reference for have that head_dim, unlike hidden / heads (16)
+QWEN3_SHAPE = dict(LLAMA_SHAPE, head_dim=128, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+
+
+def _qwen3_gguf(path, tokenizer, tied: bool, matrix_type=None, **shape):
+    original = _hf_random("qwen3", tie_word_embeddings=tied, **{**QWEN3_SHAPE, **shape})
+    _write_llama_family(path, original, "qwen3", tokenizer, matrix_type)
+    return path, original
+
+
+@pytest.fixture(scope="module")
+def qwen3_gguf(tmp_path_factory, tiny_tokenizer):
+    return _qwen3_gguf(tmp_path_factory.mktemp("gguf") / "tiny-qwen3.gguf", tiny_tokenizer, tied=False)
+
+
 def _write_gpt2(path, hf_model, tokenizer) -> None:
     config = hf_model.config
     writer = gguf.GGUFWriter(str(path), "gpt2")
@@ -212,12 +233,12 @@ def _native_token_nll(model, ids: torch.Tensor) -> torch.Tensor:
         return score(ids[:, :-1], ids[:, 1:], torch.ones_like(ids[:, :-1], dtype=torch.bool))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gpt2"])
 def test_a_gguf_loads_to_transformers_weights_and_scores_as_transformers(family, request):
     path, _ = request.getfixturevalue(f"{family}_gguf")
     native = load_model(str(path), "native", torch.float32)
     reference = _transformers_gguf(path)
-    ours = gpt2_state_dict_to_hf(native) if family == "gpt2" else llama_state_dict_to_hf(native)
+    ours = spec_of(native).state_dict_to_hf(native)
     theirs = {k: v for k, v in reference.state_dict().items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
     assert ours.keys() == theirs.keys()
     unequal = [k for k in ours if not torch.equal(ours[k], theirs[k])]
@@ -241,6 +262,30 @@ def test_llamas_q_and_k_rows_come_back_in_their_original_order(llama_gguf):
                 assert torch.equal(ours[name], expected.half().float() if qtype == Q.F16 else expected), name
     weights = torch.randn(8 * 6, 5)
     assert torch.equal(unpermute_rope_rows(_permute(weights, 8), 8), weights)
+
+
+@pytest.mark.parametrize("stored, tied", [("F32", True), ("Q8_0", False)])
+def test_a_qwen3_gguf_runs_natively_and_scores_as_transformers(stored, tied, tmp_path, tiny_tokenizer):
+    path, _ = _qwen3_gguf(tmp_path / "qwen3.gguf", tiny_tokenizer, tied, lambda *_: Q[stored])
+    model = load_model(str(path), "auto", torch.float32)
+    assert spec_of(model).name == "qwen3", type(model).__name__   # auto took the native model, not transformers'
+    config = model.config
+    assert (config.head_dim, config.rms_norm_eps, config.rope_theta, config.tie_word_embeddings) == (
+        128, float(np.float32(1e-5)), 1_000_000.0, tied)   # GGUF stores the epsilon as a float32
+    ids = torch.randint(0, 400, (2, 48), generator=torch.Generator().manual_seed(2))
+    ours, theirs = _native_token_nll(model, ids), _hf_token_nll(_transformers_gguf(path), ids)
+    assert ((ours - theirs).abs() / theirs.abs()).max().item() <= FP32_RTOL
+
+
+def test_a_qwen3_ggufs_head_dim_is_its_attention_key_length(tmp_path, tiny_tokenizer):
+    """A head_dim neither hidden / heads (16) nor the 128 transformers' GGUF loader assumes for every qwen3 file:
+    the native model reads the file's key length and scores as the checkpoint the file was written from."""
+    path, original = _qwen3_gguf(tmp_path / "qwen3.gguf", tiny_tokenizer, True, lambda *_: Q.F32, head_dim=32)
+    native = load_model(str(path), "native", torch.float32)
+    assert native.config.head_dim == 32
+    ids = torch.randint(0, 400, (2, 48), generator=torch.Generator().manual_seed(2))
+    ours, theirs = _native_token_nll(native, ids), _hf_token_nll(original, ids)
+    assert ((ours - theirs).abs() / theirs.abs()).max().item() <= FP32_RTOL
 
 
 def _llama3_rope_freqs(theta: float, head_dim: int, rope: dict) -> torch.Tensor:
@@ -312,8 +357,9 @@ def _eval(model, text, report, *extra) -> dict:
     return json.loads(report.read_text())
 
 
-def test_eval_of_a_gguf_from_the_command_line_equals_transformers(llama_gguf, tmp_path):
-    path, _ = llama_gguf
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_eval_of_a_gguf_from_the_command_line_equals_transformers(family, request, tmp_path):
+    path, _ = request.getfixturevalue(f"{family}_gguf")
     (tmp_path / "text.txt").write_text(TEXT * 3)
     native = _eval(path, tmp_path / "text.txt", tmp_path / "native.json")
     hf = _eval(path, tmp_path / "text.txt", tmp_path / "hf.json", "--backend", "hf")
