@@ -76,9 +76,12 @@ def _matrix_type(name: str, layer: int):
     return [Q.Q8_0, Q.F16, Q.Q4_0, Q.F32][(layer + len(name)) % 4]
 
 
-def _write_llama_family(path, hf_model, architecture: str, tokenizer, matrix_type=None, rope_freqs=None) -> None:
+def _write_llama_family(path, hf_model, architecture: str, tokenizer, matrix_type=None, rope_freqs=None,
+                        metadata=None) -> None:
     config = hf_model.config
     writer = gguf.GGUFWriter(str(path), architecture)
+    for key, value in (metadata or {}).items():
+        (writer.add_string if isinstance(value, str) else writer.add_float32)(key, value)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -324,6 +327,19 @@ def test_llama3_rope_factors_become_its_rope_scaling(tmp_path, tiny_tokenizer):
     _write_llama_family(tmp_path / "odd.gguf", original, "llama", tiny_tokenizer, lambda *_: Q.F32, divisors * 1.5)
     with pytest.raises(FastpplError, match="RoPE frequency factors"):
         load_model(str(tmp_path / "odd.gguf"), "native", torch.float32)
+    # transformers' GGUF loader reads no RoPE scaling: it would score the unscaled model
+    with pytest.raises(FastpplError, match=r"RoPE scaling \(llama3\) would be dropped by transformers' GGUF loader"):
+        load_model(str(path), "hf", torch.float32)
+
+
+def test_a_gguf_whose_rope_scaling_is_not_native_is_refused_not_run_unscaled(tmp_path, tiny_tokenizer):
+    original = _hf_random("qwen3", tie_word_embeddings=True, **LLAMA_SHAPE)
+    path = tmp_path / "yarn.gguf"
+    _write_llama_family(path, original, "qwen3", tiny_tokenizer, lambda *_: Q.F32,
+                        metadata={"qwen3.rope.scaling.type": "yarn", "qwen3.rope.scaling.factor": 4.0})
+    for backend in ("auto", "hf"):
+        with pytest.raises(FastpplError, match=r"RoPE scaling \(yarn\) would be dropped"):
+            load_model(str(path), backend, torch.float32)
 
 
 def test_the_run_dtype_is_the_dequantized_fp32_values_rounded(llama_gguf):

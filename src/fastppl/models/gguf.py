@@ -216,11 +216,17 @@ def unpermute_rope_rows(values: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def load_hf_gguf(checkpoint: GGUFCheckpoint, dtype: torch.dtype, why: str):
-    """The GGUF as transformers loads it (--backend hf, or an architecture the native models lack)."""
+    """The GGUF as transformers loads it (--backend hf, or an architecture the native models lack). A file with a
+    RoPE scaling is refused: transformers' GGUF config reads no scaling key, so it would score another model."""
     from transformers import AutoModelForCausalLM
 
     from ..quiet import quiet_transformers
     from .hf_backend import HFCausalLM
+    scaling = checkpoint.hf_config.get("rope_scaling")
+    if scaling:
+        raise FastpplError(f"{checkpoint.path}: its RoPE scaling ({scaling.get('rope_type')}) would be dropped by "
+                           f"transformers' GGUF loader ({why}); run it with --backend native where the native model "
+                           "implements that scaling, or score the original Hugging Face checkpoint")
     hide_bar = os.environ.get("TQDM_DISABLE")
     os.environ["TQDM_DISABLE"] = "1"   # transformers' GGUF loader draws its own progress bar
     try:
