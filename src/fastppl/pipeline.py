@@ -34,9 +34,11 @@ from .engine.score import DeviceSums, ScoreFn, score_batches, score_plans
 from .errors import FastpplError
 from .models import load_model
 from .models.loading import position_limit_note
-from .reference import add_divergence, check_reference_fits, load_reference, resolve_reference_device
+from .reference import (add_divergence, check_reference_fits, check_reference_matches, load_reference,
+                        resolve_reference_device)
 from .report.progress import Progress
 from .report.result import EvalResult, assemble_result
+from .reuse import Reuse
 from .stages import Batches, Corpus, Prepared, Run, Scored, Windows
 from .report.stats import needs_token_sums
 from .resume import (NOT_IN_FINGERPRINT, Checkpointer, document_ids_sha256, model_files, run_fingerprint,
@@ -44,8 +46,10 @@ from .resume import (NOT_IN_FINGERPRINT, Checkpointer, document_ids_sha256, mode
 
 
 @stop_all_on_failure   # under torchrun: a failing rank makes every rank stop
-def evaluate(config: EvalConfig) -> EvalResult:
+def evaluate(config: EvalConfig, reuse: Optional[Reuse] = None) -> EvalResult:
+    """One run; `reuse` holds what the runs of a table share (fastppl.reuse), a fresh one by default."""
     started = time.perf_counter()
+    reuse = reuse or Reuse()
     dist = init_distributed(config.device)
     device = dist.device if dist else resolve_device(config.device)
     run = Run(config, device, resolve_dtype(config.dtype, device), dist, started)
@@ -54,14 +58,22 @@ def evaluate(config: EvalConfig) -> EvalResult:
     reference_device = resolve_reference_device(config, device)
     # overlaps the CUDA context's creation and Triton's first use with reading corpus, tokenizer and weights
     warm_ups = start_cuda_warm_up(device) if not dist else []
-    documents, protocol, datasets_read = read_corpus(config)
+    corpus_key = corpus_identity(config)
+    documents, protocol, datasets_read = reuse.corpus(corpus_key, lambda: read_corpus(config))
     run.stage_done("read_corpus")
-    tokenizer = load_tokenizer(config.tokenizer or default_tokenizer_name(config.model))
+    tokenizer_name = config.tokenizer or default_tokenizer_name(config.model)
+    tokenizer = reuse.tokenizer(tokenizer_name, lambda: load_tokenizer(tokenizer_name))
     run.stage_done("load_tokenizer")
     # tokenizing needs neither the model nor the GPU: it runs beside the weights' loading and the CUDA start
-    encoding = InBackground(lambda: encode_texts(documents, tokenizer), "fastppl-tokenize")
-    model = load_model(config.model, config.backend, run.dtype, config.seed, device)
-    reference = load_reference(config, run.dtype, reference_device, model, tokenizer)   # None unless --reference-model
+    encoding = InBackground(lambda: reuse.encoding((corpus_key, tokenizer.fingerprint),
+                                                   lambda: encode_texts(documents, tokenizer)), "fastppl-tokenize")
+    model = reuse.model("model", (config.model, config.backend, run.dtype, config.seed, str(device)),
+                        lambda: load_model(config.model, config.backend, run.dtype, config.seed, device))
+    reference = reuse.model("reference", reference_identity(config, run.dtype, reference_device),
+                            lambda: load_reference(config, run.dtype, reference_device)) \
+        if config.reference_model else None
+    if reference is not None:   # loaded now or kept from an earlier run of a table: checked against this model
+        check_reference_matches(config, reference, model, tokenizer)
     run.stage_done("load_model")
     ctx = check_model_fits(config, tokenizer, model)
     check_reference_fits(config, reference, ctx)
@@ -97,6 +109,17 @@ def evaluate(config: EvalConfig) -> EvalResult:
     prepared.acceleration.compile_reason += finish_compiled_run(prepared.score_fn, run.stage_seconds)
     result = assemble_result(run, corpus, windows, prepared, scored)
     return result if reference is None else add_divergence(result, config, scored.sums)
+
+
+def corpus_identity(config: EvalConfig) -> tuple:
+    """What decides the documents read_corpus reads: runs that agree on it share them."""
+    return (tuple(config.data), config.split, config.text_field, config.id_field, config.group_by, config.data_dir,
+            config.errors, config.protocol)
+
+
+def reference_identity(config: EvalConfig, dtype: torch.dtype, device: torch.device) -> tuple:
+    seed = config.seed if config.reference_seed is None else config.reference_seed
+    return config.reference_model, config.backend, dtype, seed, str(device)
 
 
 def read_corpus(config: EvalConfig) -> tuple[list[Document], Optional[Protocol], list[dict]]:

@@ -66,22 +66,23 @@ def check_reference_tokenizer(config: EvalConfig, tokenizer: Tokenizer) -> None:
             f"({tokenizer.name}): the same ids would stand for other text; compare two models of one tokenizer")
 
 
-def load_reference(config: EvalConfig, dtype: torch.dtype, device: torch.device, model: nn.Module,
-                   tokenizer: Optional[Tokenizer] = None) -> Optional[nn.Module]:
-    """The reference model (None without --reference-model) on its device (--reference-device, else the run's), in
-    the model's dtype; refused when its vocabulary is not the model's (the two must score the same token ids), or
-    its own tokenizer is not the run's `tokenizer`."""
-    if config.reference_model is None:
-        return None
+def load_reference(config: EvalConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """The --reference-model on its device (--reference-device, else the run's), in the model's dtype; unchecked
+    (check_reference_matches checks it against each model it is a reference of)."""
     seed = config.seed if config.reference_seed is None else config.reference_seed
-    reference = load_model(config.reference_model, config.backend, dtype, seed, device).to(device)
+    return load_model(config.reference_model, config.backend, dtype, seed, device).to(device)
+
+
+def check_reference_matches(config: EvalConfig, reference: nn.Module, model: nn.Module,
+                            tokenizer: Optional[Tokenizer]) -> None:
+    """Refused when the reference's vocabulary is not the model's (the two must score the same token ids), or its
+    own tokenizer is not the run's `tokenizer`."""
     if reference.vocab_size != model.vocab_size:
         raise FastpplError(
             f"--reference-model {config.reference_model} has a vocabulary of {reference.vocab_size:,} ids but "
             f"--model {config.model} has {model.vocab_size:,}; compare two models of one tokenizer and vocabulary")
     if tokenizer is not None:
         check_reference_tokenizer(config, tokenizer)
-    return reference
 
 
 def check_reference_fits(config: EvalConfig, reference: Optional[nn.Module], ctx: int) -> None:

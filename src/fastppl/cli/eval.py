@@ -23,11 +23,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def _add_input_arguments(p) -> None:
-    p.add_argument("--model", required=True, help=MODEL_HELP)
-    p.add_argument("--data", required=True, action="append",
+    p.add_argument("--model", required=True, action="append",
+                   help=MODEL_HELP[:-len("; required")] + "; repeatable: several models make a table of models × "
+                        "corpora, scored in one process (see --corpus); required")
+    p.add_argument("--data", action="append",
                    help="text file, .jsonl (one document per line), .npy (token ids of one document), "
                         "directory (one document per file), hf:NAME[:CONFIG]:SPLIT (a Hugging Face dataset), "
-                        "or built-in 'tinyshakespeare'; repeatable; required")
+                        "or built-in 'tinyshakespeare'; repeatable: the sources of one corpus, scored as one; "
+                        "this or --corpus is required (default: none)")
+    p.add_argument("--corpus", action="append",
+                   help="what --data takes, as one corpus of a table: each --corpus is scored on its own, by every "
+                        "--model, and is a column of the table (default: none: --data is the one corpus)")
     p.add_argument("--tokenizer", help=TOKENIZER_HELP)
     p.add_argument("--split", default="all", choices=["train", "val", "all"],
                    help="nanoGPT split of a single text: train = the first 90%% of its characters, val = the "
@@ -106,7 +112,11 @@ def _add_scoring_arguments(p) -> None:
 
 
 def _add_output_arguments(p) -> None:
-    p.add_argument("--json", help="write the full report here (default: not written)")
+    p.add_argument("--json", help="write the full report here (of a table: its rows and every cell's report) "
+                                  "(default: not written)")
+    p.add_argument("--markdown", metavar="FILE", help="write the results as a Markdown table here: one row per "
+                                                      "model and corpus (default: not written)")
+    p.add_argument("--csv", metavar="FILE", help="write the same table as CSV here (default: not written)")
     p.add_argument("--per-token", help="write per-token NLL here (.npy float32, NaN where unscored; with "
                                        "--reference-model one row per token of columns nll, reference_nll, kld, "
                                        "same_top1, delta_p) (default: not written)")
@@ -128,14 +138,21 @@ def _add_output_arguments(p) -> None:
                                                           "(default: by time only)")
 
 
-def config_from_args(args: argparse.Namespace):
-    """The EvalConfig of the arguments: its construction checks every option and combination of them; here the
-    model and tokenizer names are checked too (they are read first, from the model's name)."""
+def config_from_args(args: argparse.Namespace, **cell):
+    """The EvalConfig of the arguments (of the first model and corpus; `cell` overrides model, data or
+    reference_model for one cell of a table): its construction checks every option and combination of them; here
+    the model and tokenizer names are checked too (they are read first, from the model's name)."""
     from ..config import EvalConfig
-    config = EvalConfig(
-        model=args.model, data=args.data, tokenizer=args.tokenizer, split=args.split, text_field=args.text_field,
-        id_field=args.id_field, group_by=args.group_by, data_dir=args.data_dir, bootstrap=args.bootstrap,
-        bootstrap_seed=args.bootstrap_seed, errors=args.errors, window=args.window, protocol=args.protocol,
+    if args.data and args.corpus:
+        raise FastpplError("--data and --corpus are both given; --data names the sources of one corpus, each "
+                           "--corpus one corpus of a table: use one of them")
+    if not args.data and not args.corpus:
+        raise FastpplError("the corpus is missing; give --data (one corpus) or --corpus (each a corpus of a table)")
+    given = dict(
+        model=args.model[0], data=args.data or args.corpus[:1], tokenizer=args.tokenizer, split=args.split,
+        text_field=args.text_field, id_field=args.id_field, group_by=args.group_by, data_dir=args.data_dir,
+        bootstrap=args.bootstrap, bootstrap_seed=args.bootstrap_seed, errors=args.errors, window=args.window,
+        protocol=args.protocol,
         ctx=args.ctx, stride=args.stride, bos=args.bos, batch_size=args.batch_size, device=args.device,
         dtype=args.dtype, backend=args.backend, compile=args.compile, loss=args.loss, kv_cache=args.kv_cache,
         loss_chunk_rows=args.loss_chunk_rows, tune_products=args.tune_products,
@@ -145,7 +162,11 @@ def config_from_args(args: argparse.Namespace):
         reference_model=args.reference_model, reference_seed=args.reference_seed,
         reference_device=args.reference_device,
     )
-    check_model_given(args.model, "--model")
+    config = EvalConfig(**{**given, **cell})
+    if cell:   # one cell of a table: the names were checked with the first
+        return config
+    for model in args.model:
+        check_model_given(model, "--model")
     if args.reference_model is not None:
         check_model_given(args.reference_model, "--reference-model")
     return config
@@ -153,10 +174,11 @@ def config_from_args(args: argparse.Namespace):
 
 def check_outputs(args: argparse.Namespace) -> None:
     from ..report.files import check_distinct_outputs, check_writable, files_in
-    outputs = {"--json": args.json, "--per-token": args.per_token, "--per-doc": args.per_doc, "--plot": args.plot}
-    # the corpus, and the files the model, tokenizer and built-in corpora are read from
-    inputs = [*args.data, *files_in(args.model), *files_in(args.tokenizer), *files_in(args.data_dir),
-              *files_in(args.reference_model)]
+    outputs = {"--json": args.json, "--per-token": args.per_token, "--per-doc": args.per_doc, "--plot": args.plot,
+               "--markdown": args.markdown, "--csv": args.csv}
+    # the corpus, and the files the models, tokenizer and built-in corpora are read from
+    inputs = [*(args.data or args.corpus), *(f for m in args.model for f in files_in(m)), *files_in(args.tokenizer),
+              *files_in(args.data_dir), *files_in(args.reference_model)]
     check_distinct_outputs(outputs, inputs=inputs, output_dirs={"--resume": args.resume})
     for flag, path in outputs.items():
         if path and flag != "--plot":
@@ -169,6 +191,8 @@ def check_outputs(args: argparse.Namespace) -> None:
 def run_eval(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc < 1:
         raise FastpplError(f"--nproc must be at least 1, got {args.nproc}")
+    if is_table(args):
+        return run_table(args)
     if args.nproc is not None and args.nproc != 1:
         return _check_and_relaunch(args)
     from ..distributed import init_distributed, is_main_process, stop_all_on_failure
@@ -205,8 +229,24 @@ def run_eval(args: argparse.Namespace) -> int:
         elif args.plot:
             from ..report.plot import write_loss_by_position
             write_loss_by_position(args.plot, report)
+        write_tables(args, [report])
     print(summary(report))
     return 0
+
+
+def is_table(args: argparse.Namespace) -> bool:
+    return len(args.model) > 1 or len(args.corpus or ()) > 1
+
+
+def write_tables(args: argparse.Namespace, reports: list) -> None:
+    """--markdown and --csv of a single run: its table of one row."""
+    if args.markdown or args.csv:
+        from ..report.table import short_names
+        from ..table import Cell, table_report
+        corpus = ", ".join(short_names(args.data or args.corpus))
+        cells = [Cell(args.model[0], corpus, None, report) for report in reports]
+        base = args.reference_model or args.model[0]
+        write_table_files(args, table_report(cells, base, reports[0]["wall_seconds"], args.reference_model))
 
 
 def _check_and_relaunch(args: argparse.Namespace) -> int:
@@ -217,7 +257,7 @@ def _check_and_relaunch(args: argparse.Namespace) -> int:
     check_outputs(args)
     from ..data.corpus import BUILTINS
     from ..data.protocols import CORPORA
-    for spec in args.data:
+    for spec in args.data or args.corpus:
         if spec not in BUILTINS and spec not in CORPORA and not spec.startswith("hf:") \
                 and not Path(spec).expanduser().exists():
             raise FastpplError(f"{spec}: {no_such(spec)}; check the --data path")
@@ -228,3 +268,43 @@ def _relaunch(args: argparse.Namespace) -> int:
     """The seam where the command is run again under torchrun (tests replace it)."""
     from ..distributed import relaunch_under_torchrun
     return relaunch_under_torchrun(args.nproc, args.argv)
+
+
+# what writes one run's files: a table's cells would each need their own
+ONE_RUN_OUTPUTS = {"--per-token": "per_token", "--per-doc": "per_doc", "--plot": "plot", "--resume": "resume"}
+
+
+def run_table(args: argparse.Namespace) -> int:
+    """Several --model or --corpus: a table of models × corpora in one process (fastppl.table)."""
+    from ..table import base_model, exit_code, plan_cells, run_cells, table_report
+    from ..report.files import all_or_nothing, write_json
+    from ..report.table import table_text
+    given = [flag for flag, dest in ONE_RUN_OUTPUTS.items() if getattr(args, dest)]
+    if given:
+        raise FastpplError(f"{given[0]} writes one run's output; a table of several models or corpora writes "
+                           "--json (every cell's full report), --markdown and --csv; run the cell alone for it")
+    if args.nproc is not None and args.nproc != 1:
+        raise FastpplError("--nproc runs one model on one corpus; run a table of several models or corpora in one "
+                           "process, or each cell with --nproc on its own")
+    config = config_from_args(args)
+    # every cell's options checked before anything is read
+    cells = plan_cells(config, args.model, args.corpus, lambda **cell: config_from_args(args, **cell))
+    check_outputs(args)
+    seconds = run_cells(cells, args.quiet)
+    table = table_report(cells, base_model(config, args.model), seconds, config.reference_model)
+    if any(c.report is not None for c in cells):   # the cells that finished are kept, even when others failed
+        with all_or_nothing():
+            if args.json:
+                write_json(args.json, table)
+            write_table_files(args, table)
+    print(table_text(table))
+    return exit_code(cells)
+
+
+def write_table_files(args: argparse.Namespace, table: dict) -> None:
+    from ..report.files import write_atomic
+    from ..report.table import table_csv, table_text
+    if args.markdown:
+        write_atomic(args.markdown, lambda f: f.write(table_text(table, markdown=True) + "\n"))
+    if args.csv:
+        write_atomic(args.csv, lambda f: f.write(table_csv(table)))

@@ -22,6 +22,7 @@ from .inputs import is_count, is_number, read_text, wrongly_typed
 # fastppl.plot imports matplotlib only inside the functions that draw
 from .plot import check_plot_path, comparison_figure, corpus_label, model_label, save_figure
 from .paired import paired_table, per_token_comparable, plus_minus, same_text
+from .table import TABLE_FORMAT
 from .tables import format_table
 
 REQUIRED_RUN_FIELDS = ("nll", "ppl", "tokens_scored", "config")
@@ -57,15 +58,23 @@ def _labels(paths: Sequence[str]) -> list[str]:
 
 
 def load_run(path: str, label: Optional[str] = None) -> Run:
+    result = _read_report(path)
+    if not isinstance(result, dict):
+        raise FastpplError(f"{path}: not a fastppl eval report (a JSON object is expected)")
+    return _checked_run(path, label or Path(path).stem, result)
+
+
+def _read_report(path: str):
     text = read_text(path, "JSON report written by fastppl eval --json")
     try:
-        result = loads(text)
+        return loads(text)
     except json.JSONDecodeError as e:
         # one object per line: a per-document file given where reports go
         per_doc = " (one per line: a per-document file? pass it after --per-doc)" if e.msg == "Extra data" else ""
         raise FastpplError(f"{path}:{e.lineno}: {describe(e)}{per_doc}; pass a fastppl eval --json report") from None
-    if not isinstance(result, dict):
-        raise FastpplError(f"{path}: not a fastppl eval report (a JSON object is expected)")
+
+
+def _checked_run(path: str, label: str, result: dict) -> Run:
     missing = [f for f in REQUIRED_RUN_FIELDS if f not in result]
     if missing or not isinstance(result["config"], dict):
         raise FastpplError(f"{path}: not a fastppl eval report (no {missing[0] if missing else 'config'!r} field); "
@@ -74,11 +83,35 @@ def load_run(path: str, label: Optional[str] = None) -> Run:
     if wrong:
         raise FastpplError(f"{path}: not a fastppl eval report ({wrong!r} has the wrong type); pass a file written "
                            "by fastppl eval --json")
-    return Run(path, label or Path(path).stem, result)
+    return Run(path, label, result)
 
 
 def load_runs(paths: Sequence[str]) -> list[Run]:
-    return [load_run(p, label) for p, label in zip(paths, _labels(paths))]
+    """Each report's run; a table's (eval with several models or corpora) cells as runs of their own, labelled
+    by model and corpus (a failed cell has no run)."""
+    runs = []
+    for path, label in zip(paths, _labels(paths)):
+        result = _read_report(path)
+        if isinstance(result, dict) and result.get("format") == TABLE_FORMAT:
+            cells = result.get("cells")
+            if not isinstance(cells, list) or not all(isinstance(c, dict) for c in cells):
+                raise FastpplError(f"{path}: a fastppl table without its cells; pass a file written by fastppl eval "
+                                   "--json")
+            runs += [_checked_run(path, f"{model_label(str(c.get('model')))} @ {c.get('corpus')}", c["report"])
+                     for c in cells if isinstance(c.get("report"), dict)]
+        elif not isinstance(result, dict):
+            raise FastpplError(f"{path}: not a fastppl eval report (a JSON object is expected)")
+        else:
+            runs.append(_checked_run(path, label, result))
+    return runs
+
+
+def by_corpus(runs: Sequence[Run]) -> list[list[Run]]:
+    """The runs grouped by the text they scored (first seen first): only runs of one text compare."""
+    groups: dict = {}
+    for run in runs:
+        groups.setdefault(run.result.get("corpus_sha256") or corpus_key(run.result), []).append(run)
+    return list(groups.values())
 
 
 def corpus_key(result: dict) -> tuple:
@@ -294,6 +327,16 @@ def _per_doc_path_of(run: Run) -> Optional[str]:
     raise FastpplError(f"{run.path}: its per_doc_path {recorded} does not exist; pass --per-doc PATH")
 
 
+def _runs_sections(runs: Sequence[Run], markdown: bool) -> str:
+    paired = paired_table(runs, markdown)
+    return runs_table(runs, markdown) + (f"\n\n{paired}" if paired else "")
+
+
+def _is_table(path: str) -> bool:
+    result = _read_report(path)
+    return isinstance(result, dict) and result.get("format") == TABLE_FORMAT
+
+
 def compare(run_paths: Sequence[str], per_doc_paths: Sequence[str] = (), plot: Optional[str] = None,
             markdown: bool = False, force: bool = False, worst: int = 5, min_doc_tokens: int = 10) -> str:
     """The text that `fastppl compare` prints; writes the figure to plot when given."""
@@ -304,6 +347,11 @@ def compare(run_paths: Sequence[str], per_doc_paths: Sequence[str] = (), plot: O
     if plot:
         check_plot_path(plot)
     runs = load_runs(run_paths)
+    if any(_is_table(p) for p in run_paths):   # a table's cells: one comparison per corpus
+        if plot or per_doc_paths:
+            raise FastpplError("--plot and --per-doc compare single runs; a table's cells have no per-document files "
+                               "or figure: pass the tables alone")
+        return "\n\n".join(_runs_sections(group, markdown) for group in by_corpus(runs))
     check_comparable(runs, force)
     lacking = [r.path for r in runs if not r.result.get("nll_by_position")]
     if plot and lacking:
@@ -326,12 +374,7 @@ def compare(run_paths: Sequence[str], per_doc_paths: Sequence[str] = (), plot: O
                                                          for r in paired_runs[1:])
     check_docs_comparable(doc_sets, doc_labels, force, one_text)
 
-    sections = []
-    if runs:
-        sections.append(runs_table(runs, markdown))
-        paired = paired_table(runs, markdown)
-        if paired:
-            sections.append(paired)
+    sections = [_runs_sections(runs, markdown)] if runs else []
     if doc_sets:
         sections.append(per_doc_report(doc_sets, doc_labels, markdown, worst, min_doc_tokens))
 

@@ -1,0 +1,67 @@
+"""A table of models × corpora (fastppl.table) as text, Markdown or CSV: one line per (model, corpus) cell."""
+from __future__ import annotations
+
+import csv
+import io
+import math
+from pathlib import Path
+
+from .tables import format_table
+
+TABLE_FORMAT = "fastppl-table/1"   # the "format" of a table's --json (fastppl.table), which fastppl compare reads
+
+# (header, row key, format); a missing or non-finite value prints as n/a, or empty in CSV
+COLUMNS = (
+    ("model", "model", "s"), ("corpus", "corpus", "s"), ("tokens", "tokens_scored", ","),
+    ("PPL", "ppl", ".4f"), ("ΔPPL", "delta_ppl", "+.4f"), ("ΔPPL %", "delta_ppl_relative", "+.3%"),
+    ("bits/byte", "bits_per_byte", ".6f"), ("KLD mean", "kld_mean", ".6f"), ("KLD p99", "kld_p99", ".6f"),
+    ("same top-1", "same_top1", ".3%"),
+)
+CSV_COLUMNS = ("model", "corpus", "status", "tokens_scored", "nll", "ppl", "base_ppl", "delta_ppl",
+               "delta_ppl_relative", "bits_per_byte", "kld_mean", "kld_p99", "same_top1", "delta_p_rms", "error")
+
+
+def short_names(specs: list[str]) -> list[str]:
+    """A local path by its file or directory name, unless two names clash; anything else as given."""
+    names = [Path(s).name if Path(s).expanduser().exists() and Path(s).name else s for s in specs]
+    return names if len(set(names)) == len(names) else list(specs)
+
+
+def _cell(value, spec: str) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    return format(value, spec) if spec != "s" else str(value)
+
+
+def table_text(table: dict, markdown: bool = False) -> str:
+    """The rows as a table (text or Markdown), then what the Δ and KLD columns are against, and each failed cell."""
+    rows, failed = [], []
+    names = dict(zip(table["models"], short_names(table["models"])))
+    for row in table["rows"]:
+        if row["status"] != "ok":
+            failed.append(row)
+            rows.append([names[row["model"]], row["corpus"], *["failed"] + [""] * (len(COLUMNS) - 3)])
+            continue
+        is_base = row["model"] == table["base"]
+        shown = {**row, "model": names[row["model"]]}
+        rows.append([_cell(shown.get(key), spec) if not (is_base and key.startswith(("kld", "same"))) else "base"
+                     for _, key, spec in COLUMNS])
+    right = [spec != "s" for _, _, spec in COLUMNS]
+    lines = [format_table([header for header, _, _ in COLUMNS], rows, markdown, right), ""]
+    base = dict(zip(table["models"], short_names(table["models"]))).get(table["base"], table["base"])
+    against = f"ΔPPL against {base} on the same corpus"
+    if table.get("reference_model"):
+        against += "; KLD (nats/token) and same top-1 against it, on the same windows"
+    lines.append(against + "; n/a where the base's tokens differ or its cell failed.")
+    lines += [f"failed: {names[row['model']]} on {row['corpus']}: {row['error']}" for row in failed]
+    return "\n".join(lines)
+
+
+def table_csv(table: dict) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    for row in table["rows"]:
+        writer.writerow(["" if row.get(k) is None else repr(row[k]) if isinstance(row[k], float) else row[k]
+                         for k in CSV_COLUMNS])
+    return out.getvalue()

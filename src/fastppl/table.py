@@ -1,0 +1,129 @@
+"""Several models × several corpora in one process: `fastppl eval --model A --model B --corpus X --corpus Y`.
+
+Each (model, corpus) cell is the run `fastppl eval --model M --data C` with the same options would be, and its
+report is that run's; what the cells share is what they read (fastppl.reuse): each corpus is read and tokenized
+once per tokenizer, each model loaded once (every corpus is scored with a model before the next is loaded), the
+reference model once. The base of the table (ΔPPL) is --reference-model when given, else the first --model; with
+a reference, every other model's cells also carry the divergence from it on the same windows, and the reference's
+own cells (when it is also a --model) are plain runs.
+
+A cell that fails is named and the others still run: the table keeps every cell that finished, and the command
+exits non-zero."""
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from .config import EvalConfig
+from .errors import FastpplError, first_line, is_out_of_memory
+from .report.table import TABLE_FORMAT, short_names
+
+
+@dataclass
+class Cell:
+    model: str                      # the --model given
+    corpus: str                     # the corpus' name in the table
+    config: EvalConfig
+    report: Optional[dict] = None   # the run's report (EvalResult.to_dict()) once it has run
+    error: Optional[str] = None     # why it failed, one line
+    bad_input: bool = True          # the failure is the input's (exit 2), not fastppl's (exit 1)
+
+
+def plan_cells(config: EvalConfig, models: list[str], corpora: Optional[list[str]],
+               make_config: Callable[..., EvalConfig]) -> list[Cell]:
+    """The table's cells in the order they run (model by model), each with its run's config (make_config(model=,
+    data=, reference_model=)), built (and so checked) before anything is read. corpora None: the one corpus of
+    --data."""
+    if len(set(models)) != len(models):
+        raise FastpplError("a --model is given twice; name each model once")
+    if corpora is not None and len(set(corpora)) != len(corpora):
+        raise FastpplError("a --corpus is given twice; name each corpus once")
+    sources = [[c] for c in corpora] if corpora is not None else [list(config.data)]
+    corpus_names = short_names(corpora) if corpora is not None else [", ".join(short_names(config.data))]
+    cells = []
+    for model in models:
+        # the reference's own cells are plain runs: its divergence from itself is nothing to measure
+        reference = None if model == config.reference_model else config.reference_model
+        for data, name in zip(sources, corpus_names):
+            cell_config = make_config(model=model, data=data, reference_model=reference)
+            cells.append(Cell(model, name, cell_config))
+    return cells
+
+
+def run_cells(cells: list[Cell], quiet: bool = False) -> float:
+    """Every cell run in order in this process, sharing what they read; the seconds it took."""
+    from .pipeline import evaluate
+    from .reuse import Reuse
+    reuse, started = Reuse(), time.perf_counter()
+    for number, cell in enumerate(cells, 1):
+        if not quiet:
+            print(f"fastppl: cell {number}/{len(cells)}: {cell.model} on {cell.corpus}", file=sys.stderr)
+        try:
+            cell.report = evaluate(cell.config, reuse).to_dict()
+        except FastpplError as e:
+            cell.error = str(e)
+        except (RuntimeError, MemoryError) as e:   # out of memory, or a failure of fastppl's own
+            cell.error, cell.bad_input = first_line(e), is_out_of_memory(e) or isinstance(e, MemoryError)
+            if not cell.bad_input:
+                traceback.print_exc(file=sys.stderr)
+        if cell.error is not None:
+            print(f"fastppl: error: cell {cell.model} on {cell.corpus}: {cell.error}", file=sys.stderr)
+    return time.perf_counter() - started
+
+
+def base_model(config: EvalConfig, models: list[str]) -> str:
+    return config.reference_model or models[0]
+
+
+def table_rows(cells: list[Cell], base: str) -> list[dict]:
+    """One row per cell: its figures, ΔPPL against the base's on the same corpus (from the base's own cell, else
+    from the reference's side of the cell's divergence), and the divergence's KLD and same-top-1 figures."""
+    base_reports = {c.corpus: c.report for c in cells if c.model == base and c.report is not None}
+    rows = []
+    for cell in cells:
+        row = {"model": cell.model, "corpus": cell.corpus, "status": "ok" if cell.report else "failed"}
+        if cell.report is None:
+            rows.append({**row, "error": cell.error})
+            continue
+        report, divergence = cell.report, cell.report.get("divergence") or {}
+        row.update(tokens_scored=report["tokens_scored"], nll=report["nll"], ppl=report["ppl"],
+                   bits_per_byte=report["bits_per_byte"])
+        base_report = base_reports.get(cell.corpus)
+        base_ppl = divergence.get("reference_ppl")
+        if base_report is not None and same_tokens(base_report, report):
+            base_ppl = base_report["ppl"]
+        row.update(base_ppl=base_ppl,
+                   delta_ppl=None if base_ppl is None else report["ppl"] - base_ppl,
+                   delta_ppl_relative=None if base_ppl is None else report["ppl"] / base_ppl - 1)
+        if divergence:
+            row.update(kld_mean=divergence["kld_mean"], kld_p99=divergence["kld_p99"],
+                       same_top1=divergence["same_top1"], delta_p_rms=divergence["delta_p_rms"])
+        rows.append(row)
+    return rows
+
+
+def same_tokens(a: dict, b: dict) -> bool:
+    """Whether two reports' per-token figures compare: the same text cut into as many tokens (another tokenizer
+    all but always cuts it into another number; fastppl compare's rule)."""
+    return a.get("corpus_sha256") == b.get("corpus_sha256") and a["tokens_scored"] == b["tokens_scored"]
+
+
+def table_report(cells: list[Cell], base: str, seconds: float, reference_model: Optional[str]) -> dict:
+    """The --json of a table: its rows, and every cell's full report (or its error)."""
+    return {
+        "format": TABLE_FORMAT, "base": base, "reference_model": reference_model,
+        "models": list(dict.fromkeys(c.model for c in cells)),
+        "corpora": list(dict.fromkeys(c.corpus for c in cells)),
+        "rows": table_rows(cells, base), "seconds": seconds,
+        "cells": [{"model": c.model, "corpus": c.corpus, **({"report": c.report} if c.report is not None
+                                                             else {"error": c.error})} for c in cells],
+    }
+
+
+def exit_code(cells: list[Cell]) -> int:
+    failed = [c for c in cells if c.report is None]
+    return 0 if not failed else 2 if all(c.bad_input for c in failed) else 1
+

@@ -1,0 +1,156 @@
+"""Several models × corpora in one process (fastppl.table): each cell equal to its separate run, each corpus read
+and tokenized once, each model loaded once, a failed cell named while the others are kept, the table's files,
+and fastppl compare reading them."""
+import csv
+import json
+import shutil
+
+import pytest
+import torch
+
+import fastppl.pipeline as pipeline
+import fastppl.reference as reference
+from fastppl.cli import main
+from fastppl.config import EvalConfig
+from fastppl.models import load_model
+from fastppl.models.loading import native_to_hf
+from fastppl.pipeline import evaluate
+
+CTX = 32
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, tokenizer_dir):
+    """Two saved checkpoints of one tiny shape (other seeds), each with its own copy of one tokenizer."""
+    root = tmp_path_factory.mktemp("table-models")
+    paths = []
+    for seed in (0, 1):
+        path = root / f"m{seed}"
+        native_to_hf(load_model("random:gpt2-tiny", "native", torch.float32, seed=seed)).save_pretrained(path)
+        for tokenizer_file in tokenizer_dir.iterdir():
+            shutil.copy(tokenizer_file, path / tokenizer_file.name)
+        paths.append(str(path))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory, shakespeare):
+    root, text = tmp_path_factory.mktemp("table-corpora"), shakespeare.read_text()
+    (root / "head.txt").write_text(text[:1200])
+    (root / "tail.txt").write_text(text[-1000:])
+    return [str(root / "head.txt"), str(root / "tail.txt")]
+
+
+def _table(models, corpora, tmp_path, *extra):
+    arguments = ["eval", *(a for m in models for a in ("--model", m)), *(a for c in corpora for a in ("--corpus", c)),
+                 "--ctx", str(CTX), "--device", "cpu", "--quiet", "--json", str(tmp_path / "table.json"), *extra]
+    return main(arguments)
+
+
+def test_each_cell_is_its_separate_run_with_the_divergence_from_the_base(models, corpora, tmp_path, capsys):
+    assert _table(models, corpora, tmp_path, "--reference-model", models[0]) == 0
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert table["base"] == models[0] and [(c["model"], c["corpus"]) for c in table["cells"]] == [
+        (m, c) for m in models for c in ("head.txt", "tail.txt")]
+    for cell, row in zip(table["cells"], table["rows"]):
+        data = [c for c in corpora if c.endswith(cell["corpus"])]
+        is_base = cell["model"] == models[0]
+        alone = evaluate(EvalConfig(model=cell["model"], data=data, ctx=CTX, device="cpu", quiet=True,
+                                    reference_model=None if is_base else models[0])).to_dict()
+        report = cell["report"]
+        assert report["nll_sum"] == alone["nll_sum"] and report["tokens_scored"] == alone["tokens_scored"]
+        assert (report.get("divergence") is None) == is_base
+        if not is_base:
+            assert report["divergence"]["kld_mean"] == alone["divergence"]["kld_mean"] > 0
+            assert row["kld_p99"] == alone["divergence"]["kld_p99"]
+        base = next(c["report"] for c in table["cells"] if c["model"] == models[0] and c["corpus"] == cell["corpus"])
+        assert row["delta_ppl"] == pytest.approx(report["ppl"] - base["ppl"], rel=1e-12)
+    printed = capsys.readouterr().out
+    assert "m1" in printed and "KLD mean" in printed and "base" in printed
+
+
+def test_each_corpus_is_read_and_tokenized_once_and_each_model_loaded_once(models, corpora, tmp_path,
+                                                                             monkeypatch):
+    calls = {"load_model": [], "read_corpus": 0, "encode_texts": 0}
+
+    def counted(name, real):
+        def wrapper(*args, **kwargs):
+            if name == "load_model":
+                calls[name].append(args[0])
+            else:
+                calls[name] += 1
+            return real(*args, **kwargs)
+        return wrapper
+    for module, name in ((pipeline, "load_model"), (reference, "load_model"), (pipeline, "read_corpus"),
+                         (pipeline, "encode_texts")):
+        monkeypatch.setattr(module, name, counted(name, getattr(module, name)))
+    extra = models[1] + "-again"
+    shutil.copytree(models[1], extra)   # a third model: its tokenizer files are the others' (one fingerprint)
+    assert _table([*models, extra], corpora, tmp_path, "--reference-model", models[0]) == 0
+    assert sorted(calls["load_model"]) == sorted([*models, extra, models[0]])   # the reference's own slot
+    assert calls["read_corpus"] == 2 and calls["encode_texts"] == 2
+
+
+def _broken_copy(model, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(model, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])   # cut inside a tensor
+    return str(broken)
+
+
+def test_a_failed_cell_is_named_and_the_others_are_kept(models, corpora, tmp_path, capsys):
+    broken = _broken_copy(models[1], tmp_path)
+    code = _table([models[0], broken, models[1]], corpora, tmp_path, "--markdown", str(tmp_path / "t.md"),
+                  "--csv", str(tmp_path / "t.csv"))
+    assert code == 2
+    table = json.loads((tmp_path / "table.json").read_text())
+    status = [(r["model"], r["status"]) for r in table["rows"]]
+    assert status == [(models[0], "ok")] * 2 + [(broken, "failed")] * 2 + [(models[1], "ok")] * 2
+    failed = [c for c in table["cells"] if "error" in c]
+    assert len(failed) == 2 and all("model.safetensors" in c["error"] for c in failed)
+    out, err = capsys.readouterr()
+    assert "failed: broken on head.txt:" in out and "fastppl: error: cell " + broken in err
+    assert "Traceback" not in err
+    rows = list(csv.DictReader((tmp_path / "t.csv").read_text().splitlines()))
+    assert [r["status"] for r in rows] == ["ok", "ok", "failed", "failed", "ok", "ok"]
+    assert float(rows[0]["ppl"]) == table["rows"][0]["ppl"]   # CSV keeps every digit
+    assert (tmp_path / "t.md").read_text().startswith("| model | corpus | tokens | PPL |")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--data", "x.txt"], "--data and --corpus are both given"),
+    (["--per-token", "t.npy"], "--per-token writes one run's output"),
+    (["--nproc", "2"], "--nproc runs one model on one corpus"),
+    (["--model", "MODEL0"], "a --model is given twice"),
+    (["--corpus", "CORPUS0"], "a --corpus is given twice"),
+])
+def test_a_table_refuses_in_one_line_before_loading_anything(models, corpora, tmp_path, capsys, monkeypatch, extra,
+                                                             message):
+    monkeypatch.setattr(pipeline, "evaluate", lambda *a, **k: pytest.fail("a refused table ran"))
+    extra = [models[0] if a == "MODEL0" else corpora[0] if a == "CORPUS0" else a for a in extra]
+    assert _table(models, corpora, tmp_path, *extra) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fastppl: error: ") and message in err and "\n" not in err
+    assert not (tmp_path / "table.json").exists()
+
+
+def test_one_run_writes_its_one_row_as_markdown_and_csv(models, corpora, tmp_path, capsys):
+    assert main(["eval", "--model", models[0], "--data", corpora[0], "--ctx", str(CTX), "--device", "cpu", "--quiet",
+                 "--markdown", str(tmp_path / "t.md"), "--csv", str(tmp_path / "t.csv")]) == 0
+    lines = (tmp_path / "t.md").read_text().splitlines()
+    assert lines[0].startswith("| model | corpus |") and lines[2].startswith("| m0 | head.txt |") and len(lines) == 5
+    assert len(list(csv.DictReader((tmp_path / "t.csv").read_text().splitlines()))) == 1
+    assert "perplexity" in capsys.readouterr().out   # the run's own summary on stdout
+
+
+def test_compare_reads_a_table_one_corpus_at_a_time(models, corpora, tmp_path, capsys):
+    assert _table(models, corpora, tmp_path) == 0
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path / "table.json")]) == 0
+    out = capsys.readouterr().out
+    sections = out.split("Δ: against the first run")
+    assert len(sections) == 3   # one comparison per corpus
+    assert "m0 @ head.txt" in sections[0] and "m1 @ head.txt" in sections[0] and "tail.txt" not in sections[0]
+    assert main(["compare", str(tmp_path / "table.json"), "--plot", str(tmp_path / "p.png")]) == 2
+    assert "--plot and --per-doc compare single runs" in capsys.readouterr().err
