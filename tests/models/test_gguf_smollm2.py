@@ -39,3 +39,8 @@ def test_smollm2_q4_1_scores_as_transformers_per_token(smollm2_gguf, shakespeare
     # 30 fp32 layers in two summation orders: relative on tokens of NLL above 1 nat, absolute below (a token of
     # NLL 0.001 has no relative error to speak of)
     assert (difference <= FP32_RTOL * theirs_nll.abs().clamp(min=1)).all()
+    # in float64 the summation order no longer shows: what is left is the weights, which must be the same
+    native64 = load_model(str(smollm2_gguf), "native", torch.float64)
+    ours64 = _native_token_nll(native64, batch)
+    theirs64 = _hf_token_nll(_transformers_gguf(smollm2_gguf).double(), batch)
+    assert ((ours64 - theirs64).abs() <= 1e-6 * theirs64.abs().clamp(min=1)).all()
