@@ -1,5 +1,6 @@
-"""The maintained benchmark scripts under benchmarks/ run: each with tiny CPU arguments in its own process (all four
-at once), exits 0 and prints its table; gpu_check.py's pytest stage and its --quick run."""
+"""The maintained benchmark scripts under benchmarks/ run: each with tiny CPU arguments in its own process (side by
+side, or in gpu_check.py's --quick run), exits 0 and prints its table; gpu_check.py's pytest stage and its --quick
+run."""
 import importlib.util
 import json
 import os
@@ -17,13 +18,8 @@ BENCHMARKS = ROOT / "benchmarks"
 def test_every_benchmark_script_runs_on_the_cpu_and_prints_its_table(tmp_path, tokenizer_dir):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("Now is the winter of our discontent made glorious summer by this sun of York.\n" * 12)
+    # loss.py and scorer.py run in the GPU check's --quick run below, with these arguments and these lines checked
     runs = {
-        "loss.py": (["--device", "cpu", "--shapes", "tiny", "--rounds", "1", "--reps", "2"],
-                    ["| shape (N x C x V) | loss |", "| tiny 256 x 64 x 1,000 | chunked (8192 rows), eager |",
-                     "skipped: the fused loss"]),
-        "scorer.py": (["--device", "cpu", "--model", "gpt2-tiny", "--batch", "2", "--seq", "32", "--rounds", "1",
-                       "--batches", "2", "--warmup", "1"],
-                      ["| variant | what runs |", "| eager | chunked loss, eager", "skipped compiled:"]),
         "decode_step.py": (["--device", "cpu", "--model", "gpt2-tiny", "--batch-sizes", "1,2", "--new-tokens", "4",
                             "--prompt-tokens", "8", "--runs", "1"],
                            ["| batch | variant | decode step |", "| 1 | default | eager |", "| 2 | default | eager |"]),
@@ -117,3 +113,10 @@ def test_gpu_check_quick_writes_its_table_and_files(tmp_path, tokenizer_dir, sha
     results = json.loads((out / "results.json").read_text())
     assert results["environment"]["device"] == "CPU" and set(results["benchmarks"]) == {
         "loss", "scorer", "end_to_end", "divergence"}
+    # the scripts' own tables (their runs in test_every_benchmark_script_runs_on_the_cpu_and_prints_its_table else)
+    log = (out / "bench.log").read_text()
+    assert "--shapes tiny --rounds 1 --reps 2" in log and "--batch 2 --seq 32 --rounds 1 --batches 2" in log
+    for expected in ("| shape (N x C x V) | loss |", "| tiny 256 x 64 x 1,000 | chunked (8192 rows), eager |",
+                     "skipped: the fused loss", "| variant | what runs |", "| eager | chunked loss, eager",
+                     "skipped compiled:"):
+        assert expected in log, f"bench.log has no {expected!r}"

@@ -81,28 +81,33 @@ def _evaluate(tokenizer_dir, data, preset="gpt2-tiny", reference_seed=1, **kwarg
 
 # ------------------------------------------------------------------------------------------------ brute force
 
-def _float64_log_softmax(model, read: torch.Tensor) -> torch.Tensor:
-    """(V,) float64 log-probabilities of the token after read (1, n): the model's forward in its own dtype,
-    then the last position's hidden state projected onto the vocabulary and normalised in float64."""
-    hidden = model(read)[0, -1].double()
+def _float64_log_softmax(model, reads: list[list[int]]) -> torch.Tensor:
+    """(len(reads), V) float64 log-probabilities of the token after each read: the model's forward over exactly
+    that read, in its own dtype, then the last position's hidden state projected onto the vocabulary and normalised
+    in float64 (every read's projection in one product, with the weights converted to float64 once)."""
+    hidden = torch.stack([model(torch.tensor([read]))[0, -1] for read in reads]).double()      # (n, C)
     bias = model.lm_head.bias.double() if getattr(model.lm_head, "bias", None) is not None else None
-    return torch.log_softmax(torch.nn.functional.linear(hidden, model.lm_head.weight.double(), bias), -1)
+    return torch.log_softmax(torch.nn.functional.linear(hidden, model.lm_head.weight.double(), bias), -1)  # (n, V)
 
 
-def _brute_force_columns(models, stream: list[int], pairs) -> dict[int, list[float]]:
+def _brute_force_columns(models, stream: list[int], pairs, rows: int = 64) -> dict[int, list[float]]:
     """{stream index of the target: its COLUMNS}, each target predicted from stream[context_start:target] by a
-    forward pass of both models over exactly those tokens and a full float64 softmax."""
+    forward pass of both models over exactly those tokens and a full float64 softmax (`rows` targets at a time)."""
     model, reference = models
     columns = {}
     with torch.no_grad():
-        for start, target in pairs:
-            read = torch.tensor([stream[start:target]])
-            log_p, reference_log_p = (_float64_log_softmax(m, read) for m in (model, reference))
-            token = stream[target]
-            kld = float((reference_log_p.exp() * (reference_log_p - log_p)).sum())
-            same = float(log_p.argmax() == reference_log_p.argmax())
-            delta_p = float(log_p[token].exp() - reference_log_p[token].exp())
-            columns[target] = [float(-log_p[token]), float(-reference_log_p[token]), kld, same, delta_p]
+        for first in range(0, len(pairs), rows):
+            block = pairs[first:first + rows]
+            reads = [stream[start:target] for start, target in block]
+            log_p, reference_log_p = (_float64_log_softmax(m, reads) for m in (model, reference))    # (n, V) each
+            tokens = torch.tensor([[stream[target]] for _, target in block])                       # (n, 1)
+            nll, reference_nll = (-x.gather(1, tokens)[:, 0] for x in (log_p, reference_log_p))
+            kld = (reference_log_p.exp() * (reference_log_p - log_p)).sum(-1)
+            same = (log_p.argmax(-1) == reference_log_p.argmax(-1)).double()
+            delta_p = (-nll).exp() - (-reference_nll).exp()
+            for i, (_, target) in enumerate(block):
+                columns[target] = [float(nll[i]), float(reference_nll[i]), float(kld[i]), float(same[i]),
+                                   float(delta_p[i])]
     return columns
 
 

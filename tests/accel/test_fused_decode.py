@@ -23,8 +23,13 @@ if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 pytestmark = pytest.mark.gpu if CUDA else []
 
-# small enough for the interpreter; the vocabulary is not a multiple of any tile, so every tail is masked
-TINY = GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=256, vocab_size=1000)
+# small enough for the interpreter, whose time goes by program instance (about 20 ms each), yet several programs
+# for every product (the column tiling and its offsets) and a vocabulary that is not a multiple of any tile, so
+# that every tail is masked
+TINY = GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=256, vocab_size=300)
+# for the checks of the decoder's control (restarts, stops, fallbacks, ties): every layer's product one program
+# (three for the vocabulary), about half TINY's programs a step; the arithmetic is TINY's tests'
+NARROW = GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=300)
 # GPT-2's own widths (two layers), on the GPU only
 GPT2_WIDTHS = GPT2Config(n_layer=2, n_head=12, n_embd=768)
 
@@ -70,7 +75,7 @@ def fused_tokens(model, prompts, new_tokens, eos_id=-1, keep_logits=False, cache
 def test_fused_greedy_tokens_equal_the_eager_decode_step(lengths):
     model = sharp_model(TINY)
     prompts = prompts_of(lengths, TINY.vocab_size)
-    new_tokens = 10
+    new_tokens = 6
     reference = G.generate(model, prompts, new_tokens, compile=False)
     tokens, _ = fused_tokens(model, prompts, new_tokens)
     assert tokens == reference.tokens
@@ -78,55 +83,60 @@ def test_fused_greedy_tokens_equal_the_eager_decode_step(lengths):
 
 @pytest.mark.slow   # Triton's interpreter on the CPU
 def test_attention_combines_many_chunks_of_an_odd_length_cache_and_a_reused_decoder_restarts(monkeypatch):
-    """4-slot chunks and a 26-slot cache: the attention spans up to 7 chunks, the last one partial, so the
-    chunk combine (and its rescaling by each chunk's max) decides every token. The same decoder then
-    serves prompts of other lengths and padding."""
+    """4-slot chunks and a 14-slot cache: the attention spans up to 4 chunks, the last one partial, and the
+    short row's padding fills whole chunks, so the chunk combine (and its rescaling by each chunk's max, and a
+    chunk with nothing visible) decides every token. The same decoder then serves prompts of other lengths and
+    padding."""
     monkeypatch.setattr(fused_decode, "CHUNK", 4)
-    model = sharp_model(TINY)
-    first, then = prompts_of([1, 12], TINY.vocab_size, seed=11), prompts_of([9, 2], TINY.vocab_size, seed=12)
-    expected_first = G.generate(model, first, 14, compile=False).tokens   # before: generate replaces the cache
-    expected_then = G.generate(model, then, 16, compile=False).tokens
-    tokens, decoder = fused_tokens(model, first, 14, cache_len=26)     # slots up to 12 + 13 - 1 = 24: chunk 7
-    assert decoder.n_chunks == 7
+    model = sharp_model(NARROW)
+    first, then = prompts_of([1, 7], NARROW.vocab_size, seed=11), prompts_of([9, 2], NARROW.vocab_size, seed=12)
+    expected_first = G.generate(model, first, 7, compile=False).tokens    # before: generate replaces the cache
+    expected_then = G.generate(model, then, 5, compile=False).tokens
+    tokens, decoder = fused_tokens(model, first, 7, cache_len=14)      # slots up to 7 + 6 - 1 = 12: chunk 4
+    assert decoder.n_chunks == 4
     assert tokens == expected_first
-    tokens, _ = fused_tokens(model, then, 16, cache_len=26, decoder=decoder)
+    tokens, _ = fused_tokens(model, then, 5, cache_len=14, decoder=decoder)
     assert tokens == expected_then
-    with pytest.raises(RuntimeError, match="past the 26-slot cache"):   # slots 9 + 15 + 3 > 26
-        for _ in range(3):
+    with pytest.raises(RuntimeError, match="past the 14-slot cache"):   # slots 9 + 4 + 2 > 14
+        for _ in range(2):
             decoder.step()
-    setup_kv_cache(model, 2, 26)                                       # a new cache: this decoder is stale
+    setup_kv_cache(model, 2, 14)                                       # a new cache: this decoder is stale
     with pytest.raises(AssertionError, match="moved"):
-        fused_tokens(model, then, 16, cache_len=26, decoder=decoder)
+        fused_tokens(model, then, 5, cache_len=14, decoder=decoder)
 
 
 @pytest.mark.slow   # Triton's interpreter on the CPU
-@pytest.mark.parametrize("tied", [(5, 3), (900, 3)], ids=["same-vocabulary-block", "across-blocks"])
-def test_tied_top_logits_go_to_the_lowest_id_like_the_eager_step(tied):
-    """Two vocabulary rows equal and the final hidden state fixed (ln_f's weight 0, its bias u): at every step
-    the two ids tie exactly, at the top. The eager step (torch.argmax) takes the lower id, and so must the
-    fused one, within one program's block of the vocabulary and across blocks."""
-    model = sharp_model(TINY)
+def test_tied_top_logits_go_to_the_lowest_id_like_the_eager_step():
+    """Three vocabulary rows equal and the final hidden state fixed (ln_f's weight 0, its bias u): at every step
+    the three ids tie exactly, at the top. The eager step (torch.argmax) takes the lowest id, and so must the
+    fused one: 3 over 5 within one program's block of the vocabulary, and 3 over 250 across blocks (taking the
+    highest of a block gives 5, the last block's gives 250)."""
+    model = sharp_model(NARROW)
+    tied = (5, 3, 250)
     with torch.no_grad():
-        u = torch.randn(TINY.n_embd, generator=torch.Generator().manual_seed(0)).to(model.wte.weight)
+        u = torch.randn(NARROW.n_embd, generator=torch.Generator().manual_seed(0)).to(model.wte.weight)
         model.ln_f.weight.zero_()
         model.ln_f.bias.copy_(u)
         for i in tied:                       # logit |u|; the other rows' ~0.06 |u| N(0, 1)
             model.wte.weight[i] = u / u.norm()
-    prompts = prompts_of([4, 7][:fused_decode.MAX_BATCH], TINY.vocab_size, seed=4)
-    reference = G.generate(model, prompts, 6, compile=False).tokens
-    assert reference == [[min(tied)] * 6] * len(prompts)
-    tokens, _ = fused_tokens(model, prompts, 6)
+    prompts = prompts_of([4, 7][:fused_decode.MAX_BATCH], NARROW.vocab_size, seed=4)
+    reference = G.generate(model, prompts, 4, compile=False).tokens
+    assert reference == [[3] * 4] * len(prompts)
+    tokens, decoder = fused_tokens(model, prompts, 4)
+    block = decoder._block_n(NARROW.vocab_size, NARROW.n_embd)    # the vocabulary's columns a program
+    assert 3 // block == 5 // block != 250 // block
     assert tokens == reference
 
 
 @pytest.mark.slow   # Triton's interpreter on the CPU
 def test_fused_step_stops_a_row_at_end_of_text_like_the_eager_step():
-    model = sharp_model(TINY)
-    prompts = prompts_of([4, 6], TINY.vocab_size, seed=3)
-    free = G.generate(model, prompts, 10, compile=False).tokens
-    eos = free[0][4]                        # a token row 0 emits mid-way: row 0 stops there
-    reference = G.generate(model, prompts, 10, eos_id=eos, compile=False)
-    tokens, decoder = fused_tokens(model, prompts, 10, eos_id=eos)
+    model = sharp_model(NARROW)
+    prompts = prompts_of([4, 6], NARROW.vocab_size, seed=3)
+    free = G.generate(model, prompts, 7, compile=False).tokens
+    eos = free[0][3]                        # a token row 0 emits mid-way: row 0 stops there
+    assert eos not in free[1][:4]           # row 1 goes on past it
+    reference = G.generate(model, prompts, 7, eos_id=eos, compile=False)
+    tokens, decoder = fused_tokens(model, prompts, 7, eos_id=eos)
     for row, expected in zip(tokens, reference.tokens):
         cut = row[:row.index(eos) + 1] if eos in row else row
         assert cut == expected
@@ -332,18 +342,18 @@ def test_a_failed_dependent_launch_falls_back_to_plain_launches(monkeypatch):
 
     monkeypatch.setattr(fused_decode.FusedGPT2Decoder, "_launch_step", failing_launch)
     monkeypatch.setattr(G, "_choose_decode_step", _forced_fused_step)
-    model = sharp_model(TINY)
-    prompts = prompts_of([6, 2], TINY.vocab_size, seed=7)
-    expected = G.generate(model, prompts, 8, compile=False).tokens
+    model = sharp_model(NARROW)
+    prompts = prompts_of([6, 2], NARROW.vocab_size, seed=7)
+    expected = G.generate(model, prompts, 5, compile=False).tokens
     with pytest.warns(RuntimeWarning, match="dependent launches failed .*invalid argument"):
-        got = G.generate(model, prompts, 8, compile=True)
+        got = G.generate(model, prompts, 5, compile=True)
     assert got.tokens == expected and got.decode_step == "fused (forced)"
     assert len(attempts) == 1 and fused_decode._dependent_launch_failure
     decoder = fused_decode._decoders[model.blocks[0].attn.kv_cache]
     # the failed step's effects were undone: the step was taken once, not twice
     assert not decoder.dependent_launch and int(decoder.pos) == decoder.prompt_len + decoder.steps_taken
     setup_kv_cache(model, len(prompts), 64)   # a new cache: a new decoder, which does not try again
-    assert G.generate(model, prompts, 8, compile=True).tokens == expected and len(attempts) == 1
+    assert G.generate(model, prompts, 5, compile=True).tokens == expected and len(attempts) == 1
 
 
 @pytest.mark.slow   # Triton's interpreter on the CPU
@@ -351,8 +361,8 @@ def test_generate_loop_with_the_fused_step_gives_the_eager_tokens_and_stops(monk
     """generate()'s own loop around the fused step (warm-up timing, stop checks, token history), forced on
     where it would not be chosen (the CPU under the interpreter), against the eager step."""
     monkeypatch.setattr(G, "_choose_decode_step", _forced_fused_step)
-    model = sharp_model(TINY)
-    prompts = prompts_of([6, 2], TINY.vocab_size, seed=7)
+    model = sharp_model(NARROW)
+    prompts = prompts_of([6, 2], NARROW.vocab_size, seed=7)
     free = G.generate(model, prompts, 8, compile=False).tokens
     eos = free[1][3]
     for eos_id in (None, eos):
