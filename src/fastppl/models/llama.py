@@ -360,8 +360,8 @@ def config_to_hf(config: LlamaConfig) -> dict:
         num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
         num_key_value_heads=config.n_kv_head, head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
         hidden_act="silu", tie_word_embeddings=config.tie_word_embeddings, mlp_bias=config.mlp_bias,
-        rope_theta=config.rope_theta, bos_token_id=50256, eos_token_id=50256,
-    )
+        rope_theta=config.rope_theta,
+    )   # no special ids: the native config does not know them (the tokenizer holds them)
     if model_type == "llama":
         hf["attention_bias"] = config.qkv_bias
     if config.rope_type == "linear":
