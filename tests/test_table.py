@@ -154,3 +154,19 @@ def test_compare_reads_a_table_one_corpus_at_a_time(models, corpora, tmp_path, c
     assert "m0 @ head.txt" in sections[0] and "m1 @ head.txt" in sections[0] and "tail.txt" not in sections[0]
     assert main(["compare", str(tmp_path / "table.json"), "--plot", str(tmp_path / "p.png")]) == 2
     assert "--plot and --per-doc compare single runs" in capsys.readouterr().err
+
+
+def test_an_interrupted_table_keeps_the_cells_it_finished(models, corpora, tmp_path, capsys, monkeypatch):
+    real, runs = pipeline.evaluate, []
+
+    def interrupted_at_the_third(config, reuse=None):
+        runs.append(config.model)
+        if len(runs) == 3:
+            raise KeyboardInterrupt
+        return real(config, reuse)
+    monkeypatch.setattr(pipeline, "evaluate", interrupted_at_the_third)
+    assert _table(models, corpora, tmp_path) == 130
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert [r["status"] for r in table["rows"]] == ["ok", "ok", "failed", "failed"]
+    assert table["cells"][3]["error"] == "not run: interrupted" and len(runs) == 3
+    assert "fastppl: interrupted" in capsys.readouterr().err

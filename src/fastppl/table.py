@@ -54,7 +54,8 @@ def plan_cells(config: EvalConfig, models: list[str], corpora: Optional[list[str
 
 
 def run_cells(cells: list[Cell], quiet: bool = False) -> float:
-    """Every cell run in order in this process, sharing what they read; the seconds it took."""
+    """Every cell run in order in this process, sharing what they read; the seconds it took. An interrupt (^C)
+    stops the table: the cells not finished say so, and those finished are kept."""
     from .pipeline import evaluate
     from .reuse import Reuse
     reuse, started = Reuse(), time.perf_counter()
@@ -63,6 +64,11 @@ def run_cells(cells: list[Cell], quiet: bool = False) -> float:
             print(f"fastppl: cell {number}/{len(cells)}: {cell.model} on {cell.corpus}", file=sys.stderr)
         try:
             cell.report = evaluate(cell.config, reuse).to_dict()
+        except KeyboardInterrupt:
+            for unfinished in cells[number - 1:]:
+                unfinished.error, unfinished.bad_input = "not run: interrupted", False
+            print("fastppl: interrupted", file=sys.stderr)
+            break
         except FastpplError as e:
             cell.error = str(e)
         except (RuntimeError, MemoryError) as e:   # out of memory, or a failure of fastppl's own
@@ -125,5 +131,7 @@ def table_report(cells: list[Cell], base: str, seconds: float, reference_model: 
 
 def exit_code(cells: list[Cell]) -> int:
     failed = [c for c in cells if c.report is None]
+    if any(c.error == "not run: interrupted" for c in failed):
+        return 130   # what a shell reports for ^C
     return 0 if not failed else 2 if all(c.bad_input for c in failed) else 1
 
