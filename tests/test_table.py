@@ -124,6 +124,7 @@ def test_a_failed_cell_is_named_and_the_others_are_kept(models, corpora, tmp_pat
     (["--nproc", "2"], "--nproc runs one model on one corpus"),
     (["--model", "MODEL0"], "a --model is given twice"),
     (["--corpus", "CORPUS0"], "a --corpus is given twice"),
+    (["--corpus", "no-such.txt"], "no-such.txt: no such file"),
 ])
 def test_a_table_refuses_in_one_line_before_loading_anything(models, corpora, tmp_path, capsys, monkeypatch, extra,
                                                              message):

@@ -255,13 +255,20 @@ def _check_and_relaunch(args: argparse.Namespace) -> int:
     from ..config import check_one_process
     check_one_process(config_from_args(args))
     check_outputs(args)
+    check_data_paths(args)
+    return _relaunch(args)
+
+
+def check_data_paths(args: argparse.Namespace) -> None:
+    """Each local --data or --corpus path exists (checked before a run that would otherwise fail later, or once
+    per cell of a table)."""
     from ..data.corpus import BUILTINS
     from ..data.protocols import CORPORA
     for spec in args.data or args.corpus:
         if spec not in BUILTINS and spec not in CORPORA and not spec.startswith("hf:") \
                 and not Path(spec).expanduser().exists():
-            raise FastpplError(f"{spec}: {no_such(spec)}; check the --data path")
-    return _relaunch(args)
+            flag = "--data" if args.data else "--corpus"
+            raise FastpplError(f"{spec}: {no_such(spec)}; check the {flag} path")
 
 
 def _relaunch(args: argparse.Namespace) -> int:
@@ -290,6 +297,7 @@ def run_table(args: argparse.Namespace) -> int:
     # every cell's options checked before anything is read
     cells = plan_cells(config, args.model, args.corpus, lambda **cell: config_from_args(args, **cell))
     check_outputs(args)
+    check_data_paths(args)
     seconds = run_cells(cells, args.quiet)
     table = table_report(cells, base_model(config, args.model), seconds, config.reference_model)
     if any(c.report is not None for c in cells):   # the cells that finished are kept, even when others failed
