@@ -59,6 +59,7 @@ def test_each_cell_is_its_separate_run_with_the_divergence_from_the_base(models,
                                     reference_model=None if is_base else models[0])).to_dict()
         report = cell["report"]
         assert report["nll_sum"] == alone["nll_sum"] and report["tokens_scored"] == alone["tokens_scored"]
+        assert report["tokenization"] == alone["tokenization"] and report["batch_size"] == alone["batch_size"]
         assert (report.get("divergence") is None) == is_base
         if not is_base:
             assert report["divergence"]["kld_mean"] == alone["divergence"]["kld_mean"] > 0

@@ -65,8 +65,7 @@ def evaluate(config: EvalConfig, reuse: Optional[Reuse] = None) -> EvalResult:
     tokenizer = reuse.tokenizer(tokenizer_name, lambda: load_tokenizer(tokenizer_name))
     run.stage_done("load_tokenizer")
     # tokenizing needs neither the model nor the GPU: it runs beside the weights' loading and the CUDA start
-    encoding = InBackground(lambda: reuse.encoding((corpus_key, tokenizer.fingerprint),
-                                                   lambda: encode_texts(documents, tokenizer)), "fastppl-tokenize")
+    encoding = InBackground(lambda: encode_once(reuse, corpus_key, documents, tokenizer), "fastppl-tokenize")
     model = reuse.model("model", (config.model, config.backend, run.dtype, config.seed, str(device)),
                         lambda: load_model(config.model, config.backend, run.dtype, config.seed, device))
     reference = reuse.model("reference", reference_identity(config, run.dtype, reference_device),
@@ -198,6 +197,20 @@ def encode_texts(documents: list[Document], tokenizer: Tokenizer) -> list[Option
     """Each text document's token ids (from the token cache where it holds them); None for a pre-tokenised one."""
     encoded = iter(encode_documents(tokenizer, [d.text for d in documents if d.token_ids is None]))
     return [next(encoded) if d.token_ids is None else None for d in documents]
+
+
+def encode_once(reuse: Reuse, corpus_key: tuple, documents: list[Document],
+                tokenizer: Tokenizer) -> list[Optional[np.ndarray]]:
+    """encode_texts, once per corpus and tokenizer fingerprint in a table's process. How the ids were made (the
+    tokenizer's counts of texts encoded and cached, and why a text was encoded whole: the report's tokenization
+    note) is kept with them and given to each run's tokenizer, as its separate run would have it."""
+    def encode():
+        tokenizer.texts_encoded, tokenizer.texts_from_cache, tokenizer.whole_text_reason = 0, 0, None
+        ids = encode_texts(documents, tokenizer)
+        return ids, (tokenizer.texts_encoded, tokenizer.texts_from_cache, tokenizer.whole_text_reason)
+    ids, how = reuse.encoding((corpus_key, tokenizer.fingerprint), encode)
+    tokenizer.texts_encoded, tokenizer.texts_from_cache, tokenizer.whole_text_reason = how
+    return ids
 
 
 def tokenize(documents: list[Document], tokenizer: Tokenizer, model: nn.Module,
