@@ -65,7 +65,10 @@ def test_each_cell_is_its_separate_run_with_the_divergence_from_the_base(models,
             assert report["divergence"]["kld_mean"] == alone["divergence"]["kld_mean"] > 0
             assert row["kld_p99"] == alone["divergence"]["kld_p99"]
         base = next(c["report"] for c in table["cells"] if c["model"] == models[0] and c["corpus"] == cell["corpus"])
-        assert row["delta_ppl"] == pytest.approx(report["ppl"] - base["ppl"], rel=1e-12)
+        # against the reference on the cell's own windows; its figure there is the base cell's run
+        base_ppl = base["ppl"] if is_base else report["divergence"]["reference_ppl"]
+        assert base_ppl == pytest.approx(base["ppl"], rel=1e-6)
+        assert row["delta_ppl"] == pytest.approx(report["ppl"] - base_ppl, rel=1e-12)
     printed = capsys.readouterr().out
     assert "m1" in printed and "KLD mean" in printed and "base" in printed
 
@@ -111,7 +114,7 @@ def test_a_failed_cell_is_named_and_the_others_are_kept(models, corpora, tmp_pat
     failed = [c for c in table["cells"] if "error" in c]
     assert len(failed) == 2 and all("model.safetensors" in c["error"] for c in failed)
     out, err = capsys.readouterr()
-    assert "failed: broken on head.txt:" in out and "fastppl: error: cell " + broken in err
+    assert "- failed: broken on head.txt:" in out and "fastppl: error: cell " + broken in err
     assert "Traceback" not in err
     rows = list(csv.DictReader((tmp_path / "t.csv").read_text().splitlines()))
     assert [r["status"] for r in rows] == ["ok", "ok", "failed", "failed", "ok", "ok"]
@@ -172,3 +175,44 @@ def test_an_interrupted_table_keeps_the_cells_it_finished(models, corpora, tmp_p
     assert [r["status"] for r in table["rows"]] == ["ok", "ok", "failed", "failed"]
     assert table["cells"][3]["error"] == "not run: interrupted" and len(runs) == 3
     assert "fastppl: interrupted" in capsys.readouterr().err
+
+
+def test_the_reference_runs_first_and_its_own_cells_take_no_reference_options(models, corpora, tmp_path):
+    # given last and as ./path: still the reference's own cells (plain runs, first), with --reference-device given
+    relative = "./" + str(shutil.os.path.relpath(models[0]))
+    assert _table([models[1], relative], corpora[:1], tmp_path, "--reference-model", models[0],
+                  "--reference-device", "cpu") == 0
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert table["models"] == [models[0], models[1]]
+    assert "divergence" not in table["cells"][0]["report"] and table["cells"][1]["report"]["divergence"]
+
+
+def test_a_random_reference_of_another_seed_is_not_the_model_of_the_same_name(corpora, tmp_path, tokenizer_dir):
+    assert _table(["random:gpt2-tiny"], corpora, tmp_path, "--reference-model", "random:gpt2-tiny",
+                  "--reference-seed", "1", "--tokenizer", str(tokenizer_dir)) == 0
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert all(c["report"]["divergence"]["kld_mean"] > 0 for c in table["cells"])   # seed 0 against seed 1
+
+
+def test_an_unexpected_failure_of_one_cell_keeps_the_others(models, corpora, tmp_path, capsys, monkeypatch):
+    real = pipeline.evaluate
+
+    def failing_on_the_second_model(config, reuse=None):
+        if config.model == models[1]:
+            raise ValueError("a bug")
+        return real(config, reuse)
+    monkeypatch.setattr(pipeline, "evaluate", failing_on_the_second_model)
+    assert _table(models, corpora, tmp_path) == 1   # fastppl's own failure, not the input's
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert [r["status"] for r in table["rows"]] == ["ok", "ok", "failed", "failed"]
+    assert table["cells"][2]["error"] == "ValueError: a bug" and "Traceback" in capsys.readouterr().err
+
+
+def test_a_cells_tokenization_note_is_its_separate_runs(models, tmp_path, shakespeare):
+    long_text = tmp_path / "long.txt"
+    long_text.write_text(shakespeare.read_text()[:6000])   # above the token cache's threshold
+    evaluate(EvalConfig(model=models[0], data=[str(long_text)], ctx=CTX, device="cpu", quiet=True))   # caches it
+    assert _table(models, [str(long_text)], tmp_path) == 0
+    table = json.loads((tmp_path / "table.json").read_text())
+    # the second model's tokenizer (the same fingerprint) gets the ids the first one read from the cache
+    assert [c["report"]["tokenization"] for c in table["cells"]] == ["from the token cache (an earlier run's ids)"] * 2

@@ -5,8 +5,8 @@ once. A run given no Reuse gets a fresh one, which keeps nothing past the run.
 Models are kept one at a time: the table scores a model on every corpus before the next model is loaded, so the
 next load first lets the last model go (its GPU memory freed), and a run's memory is that of its separate run.
 The reference model has a slot of its own, kept for the whole table. A model is never shared between the two
-slots: a scored model is accelerated in place (fastppl.accel.apply), a reference is not, so sharing one object
-would make a cell differ from its separate run."""
+slots: each is accelerated in place for its role (fastppl.accel.apply), and a cell must find it as its separate
+run would."""
 from __future__ import annotations
 
 import gc

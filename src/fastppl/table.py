@@ -15,6 +15,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 from .config import EvalConfig
@@ -30,6 +31,7 @@ class Cell:
     report: Optional[dict] = None   # the run's report (EvalResult.to_dict()) once it has run
     error: Optional[str] = None     # why it failed, one line
     bad_input: bool = True          # the failure is the input's (exit 2), not fastppl's (exit 1)
+    is_base: bool = False           # the table's base: ΔPPL is against it
 
 
 def plan_cells(config: EvalConfig, models: list[str], corpora: Optional[list[str]],
@@ -37,20 +39,38 @@ def plan_cells(config: EvalConfig, models: list[str], corpora: Optional[list[str
     """The table's cells in the order they run (model by model), each with its run's config (make_config(model=,
     data=, reference_model=)), built (and so checked) before anything is read. corpora None: the one corpus of
     --data."""
-    if len(set(models)) != len(models):
+    models = [config.reference_model if is_the_reference(config, m) else m for m in models]
+    if len(set(map(_local_or_given, models))) != len(models):
         raise FastpplError("a --model is given twice; name each model once")
     if corpora is not None and len(set(corpora)) != len(corpora):
         raise FastpplError("a --corpus is given twice; name each corpus once")
     sources = [[c] for c in corpora] if corpora is not None else [list(config.data)]
     corpus_names = short_names(corpora) if corpora is not None else [", ".join(short_names(config.data))]
+    # the reference's own cells first: the next model's load lets it go before the reference is loaded for the
+    # divergence, so that two copies of it are never held at once
+    models.sort(key=lambda m: not is_the_reference(config, m))
     cells = []
     for model in models:
         # the reference's own cells are plain runs: its divergence from itself is nothing to measure
-        reference = None if model == config.reference_model else config.reference_model
+        is_reference = is_the_reference(config, model)
+        own = dict(reference_model=None, reference_seed=None, reference_device=None) if is_reference else {}
+        is_base = is_reference if config.reference_model else model == models[0]
         for data, name in zip(sources, corpus_names):
-            cell_config = make_config(model=model, data=data, reference_model=reference)
-            cells.append(Cell(model, name, cell_config))
+            cells.append(Cell(model, name, make_config(model=model, data=data, **own), is_base=is_base))
     return cells
+
+
+def _local_or_given(spec: str) -> str:
+    """A local checkpoint or file by its resolved path (./m and m are one model), anything else as given."""
+    path = Path(spec).expanduser()
+    return str(path.resolve()) if path.exists() else spec
+
+
+def is_the_reference(config: EvalConfig, model: str) -> bool:
+    """Whether --model names the --reference-model itself (the same weights: for random:PRESET, the same seed)."""
+    return config.reference_model is not None and \
+        _local_or_given(model) == _local_or_given(config.reference_model) and \
+        config.reference_seed in (None, config.seed)
 
 
 def run_cells(cells: list[Cell], quiet: bool = False) -> float:
@@ -71,8 +91,8 @@ def run_cells(cells: list[Cell], quiet: bool = False) -> float:
             break
         except FastpplError as e:
             cell.error = str(e)
-        except (RuntimeError, MemoryError) as e:   # out of memory, or a failure of fastppl's own
-            cell.error, cell.bad_input = first_line(e), is_out_of_memory(e) or isinstance(e, MemoryError)
+        except Exception as e:   # noqa: BLE001 (the other cells still run, and the finished ones are written)
+            cell.error, cell.bad_input = f"{type(e).__name__}: {first_line(e)}", _is_the_inputs(e)
             if not cell.bad_input:
                 traceback.print_exc(file=sys.stderr)
         if cell.error is not None:
@@ -80,17 +100,26 @@ def run_cells(cells: list[Cell], quiet: bool = False) -> float:
     return time.perf_counter() - started
 
 
+def _is_the_inputs(error: Exception) -> bool:
+    """Out of memory, or a file the user named that could not be read: the input's failure, not fastppl's."""
+    return isinstance(error, MemoryError) or (isinstance(error, RuntimeError) and (
+        is_out_of_memory(error) or "can't allocate memory" in str(error))) or \
+        (isinstance(error, OSError) and error.filename is not None)
+
+
 def base_model(config: EvalConfig, models: list[str]) -> str:
     return config.reference_model or models[0]
 
 
-def table_rows(cells: list[Cell], base: str) -> list[dict]:
-    """One row per cell: its figures, ΔPPL against the base's on the same corpus (from the base's own cell, else
-    from the reference's side of the cell's divergence), and the divergence's KLD and same-top-1 figures."""
-    base_reports = {c.corpus: c.report for c in cells if c.model == base and c.report is not None}
+def table_rows(cells: list[Cell]) -> list[dict]:
+    """One row per cell: its figures, ΔPPL against the base's on the same corpus (from the reference's side of the
+    cell's divergence, on its very windows; else from the base's own cell where it scored the same tokens in the
+    same windows), and the divergence's KLD and same-top-1 figures."""
+    base_reports = {c.corpus: c.report for c in cells if c.is_base and c.report is not None}
     rows = []
     for cell in cells:
-        row = {"model": cell.model, "corpus": cell.corpus, "status": "ok" if cell.report else "failed"}
+        row = {"model": cell.model, "corpus": cell.corpus, "status": "ok" if cell.report else "failed",
+               "is_base": cell.is_base}
         if cell.report is None:
             rows.append({**row, "error": cell.error})
             continue
@@ -99,7 +128,7 @@ def table_rows(cells: list[Cell], base: str) -> list[dict]:
                    bits_per_byte=report["bits_per_byte"])
         base_report = base_reports.get(cell.corpus)
         base_ppl = divergence.get("reference_ppl")
-        if base_report is not None and same_tokens(base_report, report):
+        if base_ppl is None and base_report is not None and same_tokens(base_report, report):
             base_ppl = base_report["ppl"]
         row.update(base_ppl=base_ppl,
                    delta_ppl=None if base_ppl is None else report["ppl"] - base_ppl,
@@ -113,8 +142,8 @@ def table_rows(cells: list[Cell], base: str) -> list[dict]:
 
 def same_tokens(a: dict, b: dict) -> bool:
     """Whether two reports' per-token figures compare: the same text cut into as many tokens (another tokenizer
-    all but always cuts it into another number; fastppl compare's rule)."""
-    return a.get("corpus_sha256") == b.get("corpus_sha256") and a["tokens_scored"] == b["tokens_scored"]
+    all but always cuts it into another number; fastppl compare's rule), scored in the same windows."""
+    return all(a.get(key) == b.get(key) for key in ("corpus_sha256", "tokens_scored", "window", "ctx", "stride"))
 
 
 def table_report(cells: list[Cell], base: str, seconds: float, reference_model: Optional[str]) -> dict:
@@ -123,7 +152,7 @@ def table_report(cells: list[Cell], base: str, seconds: float, reference_model: 
         "format": TABLE_FORMAT, "base": base, "reference_model": reference_model,
         "models": list(dict.fromkeys(c.model for c in cells)),
         "corpora": list(dict.fromkeys(c.corpus for c in cells)),
-        "rows": table_rows(cells, base), "seconds": seconds,
+        "rows": table_rows(cells), "seconds": seconds,
         "cells": [{"model": c.model, "corpus": c.corpus, **({"report": c.report} if c.report is not None
                                                              else {"error": c.error})} for c in cells],
     }

@@ -81,10 +81,16 @@ def finish_compiled_run(score_fn, stage_seconds: dict) -> str:
     return record.note()
 
 
+_shapes_allowed = 0   # over every compiled run of this process: a table's cells each add their graphs
+
+
 def allow_shapes(n_shapes: int) -> None:
     """Let the compiled scorer keep one graph per batch shape (bucketed runs have several) instead of
-    falling back to eager after Dynamo's default limit of 8 recompiles."""
+    falling back to eager after Dynamo's default limit of 8 recompiles; counted over the process, since the
+    runs of a table (fastppl.table) compile one scorer function for other models and shapes."""
+    global _shapes_allowed
+    _shapes_allowed += n_shapes
     import torch._dynamo.config as dynamo_config
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(dynamo_config, name):
-            setattr(dynamo_config, name, max(getattr(dynamo_config, name), n_shapes + 1))
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), _shapes_allowed + 1))

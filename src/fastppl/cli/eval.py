@@ -244,7 +244,7 @@ def write_tables(args: argparse.Namespace, reports: list) -> None:
         from ..report.table import short_names
         from ..table import Cell, table_report
         corpus = ", ".join(short_names(args.data or args.corpus))
-        cells = [Cell(args.model[0], corpus, None, report) for report in reports]
+        cells = [Cell(args.model[0], corpus, None, report, is_base=not args.reference_model) for report in reports]
         base = args.reference_model or args.model[0]
         write_table_files(args, table_report(cells, base, reports[0]["wall_seconds"], args.reference_model))
 

@@ -97,8 +97,9 @@ def load_runs(paths: Sequence[str]) -> list[Run]:
             if not isinstance(cells, list) or not all(isinstance(c, dict) for c in cells):
                 raise FastpplError(f"{path}: a fastppl table without its cells; pass a file written by fastppl eval "
                                    "--json")
-            runs += [_checked_run(path, f"{model_label(str(c.get('model')))} @ {c.get('corpus')}", c["report"])
-                     for c in cells if isinstance(c.get("report"), dict)]
+            prefix = f"{label}: " if len(paths) > 1 else ""   # two tables (before and after) hold the same cells
+            runs += [_checked_run(path, f"{prefix}{model_label(str(c.get('model')))} @ {c.get('corpus')}",
+                                  c["report"]) for c in cells if isinstance(c.get("report"), dict)]
         elif not isinstance(result, dict):
             raise FastpplError(f"{path}: not a fastppl eval report (a JSON object is expected)")
         else:

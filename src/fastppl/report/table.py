@@ -42,7 +42,7 @@ def table_text(table: dict, markdown: bool = False) -> str:
             failed.append(row)
             rows.append([names[row["model"]], row["corpus"], *["failed"] + [""] * (len(COLUMNS) - 3)])
             continue
-        is_base = row["model"] == table["base"]
+        is_base = row.get("is_base", False)
         shown = {**row, "model": names[row["model"]]}
         rows.append([_cell(shown.get(key), spec) if not (is_base and key.startswith(("kld", "same"))) else "base"
                      for _, key, spec in COLUMNS])
@@ -53,7 +53,9 @@ def table_text(table: dict, markdown: bool = False) -> str:
     if table.get("reference_model"):
         against += "; KLD (nats/token) and same top-1 against it, on the same windows"
     lines.append(against + "; n/a where the base's tokens differ or its cell failed.")
-    lines += [f"failed: {names[row['model']]} on {row['corpus']}: {row['error']}" for row in failed]
+    if failed:
+        lines.append("")
+        lines += [f"- failed: {names[row['model']]} on {row['corpus']}: {row['error']}" for row in failed]
     return "\n".join(lines)
 
 
