@@ -35,7 +35,7 @@ from .errors import FastpplError
 from .models import load_model
 from .models.loading import position_limit_note
 from .reference import (add_divergence, check_reference_fits, check_reference_matches, load_reference,
-                        resolve_reference_device)
+                        reference_tokenizer, resolve_reference_device)
 from .report.progress import Progress
 from .report.result import EvalResult, assemble_result
 from .reuse import Reuse
@@ -72,7 +72,9 @@ def evaluate(config: EvalConfig, reuse: Optional[Reuse] = None) -> EvalResult:
                             lambda: load_reference(config, run.dtype, reference_device)) \
         if config.reference_model else None
     if reference is not None:   # loaded now or kept from an earlier run of a table: checked against this model
-        check_reference_matches(config, reference, model, tokenizer)
+        own = reuse.tokenizer(("reference", config.reference_model),
+                              lambda: reference_tokenizer(config.reference_model))
+        check_reference_matches(config, reference, model, tokenizer, own)
     run.stage_done("load_model")
     ctx = check_model_fits(config, tokenizer, model)
     check_reference_fits(config, reference, ctx)

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .config import EvalConfig
+from .config import EvalConfig, gguf_spec
 from .engine.divergence import KLD_COLUMN
 from .engine.precision import resolve_device
 from .engine.score import DeviceSums
@@ -41,10 +41,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tok
 
 
 def reference_tokenizer(reference_model: str) -> Optional[Tokenizer]:
-    """The reference model's own tokenizer: from its directory, or the hub for a hub id. None where it has none
-    (random weights, a directory of weights alone, a hub id whose repository serves no tokenizer)."""
+    """The reference model's own tokenizer: from its directory, its GGUF file's metadata, or the hub for a hub id.
+    None where it has none (random weights, a directory of weights alone, a hub id whose repository serves no
+    tokenizer)."""
     if reference_model.startswith("random:"):
         return None
+    if gguf_spec(reference_model):
+        return load_tokenizer(reference_model)
     path = Path(reference_model).expanduser()
     if path.exists():
         if not path.is_dir() or not any((path / name).is_file() for name in TOKENIZER_FILES):
@@ -56,10 +59,10 @@ def reference_tokenizer(reference_model: str) -> Optional[Tokenizer]:
         return None
 
 
-def check_reference_tokenizer(config: EvalConfig, tokenizer: Tokenizer) -> None:
-    """Both models must read the same ids as the same text: a reference whose own tokenizer differs from the run's
-    in any token or rule (the same vocabulary size is not enough) is refused."""
-    own = reference_tokenizer(config.reference_model)
+def check_reference_tokenizer(config: EvalConfig, tokenizer: Tokenizer, own: Optional[Tokenizer] = None) -> None:
+    """Both models must read the same ids as the same text: a reference whose own tokenizer (`own`, else read
+    now) differs from the run's in any token or rule (the same vocabulary size is not enough) is refused."""
+    own = own or reference_tokenizer(config.reference_model)
     if own is not None and not same_tokenizer(own, tokenizer):
         raise FastpplError(
             f"--reference-model {config.reference_model} has a tokenizer of its own that differs from the run's "
@@ -74,7 +77,7 @@ def load_reference(config: EvalConfig, dtype: torch.dtype, device: torch.device)
 
 
 def check_reference_matches(config: EvalConfig, reference: nn.Module, model: nn.Module,
-                            tokenizer: Optional[Tokenizer]) -> None:
+                            tokenizer: Optional[Tokenizer], own_tokenizer: Optional[Tokenizer] = None) -> None:
     """Refused when the reference's vocabulary is not the model's (the two must score the same token ids), or its
     own tokenizer is not the run's `tokenizer`."""
     if reference.vocab_size != model.vocab_size:
@@ -82,7 +85,7 @@ def check_reference_matches(config: EvalConfig, reference: nn.Module, model: nn.
             f"--reference-model {config.reference_model} has a vocabulary of {reference.vocab_size:,} ids but "
             f"--model {config.model} has {model.vocab_size:,}; compare two models of one tokenizer and vocabulary")
     if tokenizer is not None:
-        check_reference_tokenizer(config, tokenizer)
+        check_reference_tokenizer(config, tokenizer, own_tokenizer)
 
 
 def check_reference_fits(config: EvalConfig, reference: Optional[nn.Module], ctx: int) -> None:

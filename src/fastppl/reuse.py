@@ -27,7 +27,7 @@ class Reuse:
             self._corpora[key] = read()
         return self._corpora[key]
 
-    def tokenizer(self, name: str, load: Callable[[], Any]) -> Any:
+    def tokenizer(self, name: Hashable, load: Callable[[], Any]) -> Any:
         if name not in self._tokenizers:
             self._tokenizers[name] = load()
         return self._tokenizers[name]

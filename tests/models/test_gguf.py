@@ -27,13 +27,17 @@ TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\n
 
 def _tiny_bpe(shakespeare):
     """A byte-level BPE of 400 tokens trained on TinyShakespeare, with <|endoftext|> as its special token."""
+    return _tiny_bpe_of(shakespeare.read_text()[:100_000])
+
+
+def _tiny_bpe_of(text: str):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator([shakespeare.read_text()[:100_000]], trainer)
+    tokenizer.train_from_iterator([text], trainer)
     return tokenizer
 
 
@@ -447,3 +451,25 @@ def test_a_hub_gguf_is_named_owner_repo_colon_file(monkeypatch):
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", unreachable)
     with pytest.raises(FastpplError, match="the hub did not serve model.gguf of owner/repo"):
         load_model("owner/repo:model.gguf", "auto", torch.float32)
+
+
+def test_a_gguf_reference_of_another_tokenizer_is_refused(llama_gguf, tmp_path, shakespeare):
+    """A GGUF's own tokenizer is in its metadata: as --reference-model it must be the run's, token for token (the
+    same vocabulary size is not enough)."""
+    from fastppl.config import EvalConfig
+    from fastppl.pipeline import evaluate
+    path, original = llama_gguf
+    text = tmp_path / "text.txt"
+    text.write_text(shakespeare.read_text()[:600])
+    other_tokenizer = _tiny_bpe_of(shakespeare.read_text()[200_000:300_000])   # 400 tokens too, other merges
+    other = tmp_path / "other-tokenizer.gguf"
+    _write_llama_family(other, original, "llama", other_tokenizer)
+    same = tmp_path / "same.gguf"
+    same.write_bytes(path.read_bytes())
+
+    def run(reference):
+        return evaluate(EvalConfig(model=str(path), reference_model=str(reference), data=[str(text)], ctx=32,
+                                   device="cpu", quiet=True))
+    assert run(same).divergence["kld_mean"] == pytest.approx(0, abs=1e-9)
+    with pytest.raises(FastpplError, match="has a tokenizer of its own that differs from the run's"):
+        run(other)
