@@ -216,3 +216,24 @@ def test_a_cells_tokenization_note_is_its_separate_runs(models, tmp_path, shakes
     table = json.loads((tmp_path / "table.json").read_text())
     # the second model's tokenizer (the same fingerprint) gets the ids the first one read from the cache
     assert [c["report"]["tokenization"] for c in table["cells"]] == ["from the token cache (an earlier run's ids)"] * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_cells_on_the_gpu_are_their_separate_runs(models, tmp_path, shakespeare):
+    """Compiled scorers of several models and corpora in one process: each cell's sums bit for bit its separate
+    run's (a fallback to eager past Dynamo's recompile limit would change the last bits)."""
+    text = shakespeare.read_text()
+    corpora = []
+    for i in range(3):
+        path = tmp_path / f"c{i}.txt"
+        path.write_text(text[i * 20_000:(i + 1) * 20_000 - i * 1_000])   # other lengths: other batch shapes
+        corpora.append(str(path))
+    options = ["--device", "cuda", "--compile", "on", "--batching", "bucketed"]
+    assert _table(models, corpora, tmp_path, *options) == 0
+    table = json.loads((tmp_path / "table.json").read_text())
+    for cell in table["cells"]:
+        data = [c for c in corpora if c.endswith(cell["corpus"])]
+        alone = evaluate(EvalConfig(model=cell["model"], data=data, ctx=CTX, device="cuda", compile="on",
+                                    batching="bucketed", quiet=True)).to_dict()
+        assert cell["report"]["compile"].startswith("on") and cell["report"]["nll_sum"] == alone["nll_sum"]
