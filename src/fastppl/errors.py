@@ -10,6 +10,12 @@ def is_out_of_memory(error: BaseException) -> bool:
     return type(error).__name__ == "OutOfMemoryError" or "out of memory" in str(error).lower()
 
 
+def is_memory_exhausted(error: BaseException) -> bool:
+    """Out of device or host memory: a MemoryError, a device's out-of-memory error, or the CPU allocator's."""
+    return isinstance(error, MemoryError) or isinstance(error, RuntimeError) and (
+        is_out_of_memory(error) or "can't allocate memory" in str(error))
+
+
 class FastpplError(Exception):
     """Bad input or configuration. The message is shown to the user as is, without a traceback."""
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .config import EvalConfig
-from .errors import FastpplError, first_line, is_out_of_memory
+from .errors import FastpplError, first_line, is_memory_exhausted
 from .report.table import TABLE_FORMAT, short_names
 
 
@@ -102,9 +102,7 @@ def run_cells(cells: list[Cell], quiet: bool = False) -> float:
 
 def _is_the_inputs(error: Exception) -> bool:
     """Out of memory, or a file the user named that could not be read: the input's failure, not fastppl's."""
-    return isinstance(error, MemoryError) or (isinstance(error, RuntimeError) and (
-        is_out_of_memory(error) or "can't allocate memory" in str(error))) or \
-        (isinstance(error, OSError) and error.filename is not None)
+    return is_memory_exhausted(error) or (isinstance(error, OSError) and error.filename is not None)
 
 
 def base_model(config: EvalConfig, models: list[str]) -> str:

@@ -56,8 +56,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("fastppl: interrupted", file=sys.stderr)
         return 130
     except (RuntimeError, MemoryError) as e:
-        from ..errors import allocation_gib, first_line, is_out_of_memory
-        if not (isinstance(e, MemoryError) or is_out_of_memory(e) or "can't allocate memory" in str(e)):
+        from ..errors import allocation_gib, first_line, is_memory_exhausted
+        if not is_memory_exhausted(e):
             raise   # a real failure, with its traceback
         # what --batch-size auto does not cover (a fixed batch, bench's batch sizes, generate's prompts)
         gib = allocation_gib(e)
