@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from fused_forward import plain_and_fused, relative_difference
 
 fused_llama = pytest.importorskip("fastppl.accel.fused_llama")
 if fused_llama.triton is None or (not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"):
@@ -16,8 +17,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = [pytest.mark.gpu] if torch.cuda.is_available() else []
 
 
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+_rel = relative_difference
 
 
 def _model(dtype=torch.float32, **overrides):
@@ -38,17 +38,8 @@ def _model(dtype=torch.float32, **overrides):
 @pytest.mark.parametrize("packed", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_fused_forward_equals_the_plain_forward(biases, packed):
     model = _model(qkv_bias=biases, o_bias=biases, mlp_bias=biases)
-    ids = torch.randint(0, 50257, (3, 40), device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(1))
-    args = ()
-    if packed:   # two documents a row: positions restart, no attention across
-        positions = torch.cat([torch.arange(15), torch.arange(25)]).to(DEVICE).expand(3, -1)
-        documents = torch.cat([torch.zeros(15), torch.ones(25)]).long().to(DEVICE).expand(3, -1)
-        args = (positions, documents)
-    with torch.inference_mode():
-        plain = model(ids, *args)
-        assert fused_llama.fuse_llama_trunk(model)
-        fused = model(ids, *args)
-        fused_llama.unfuse_llama_trunk(model)
+    plain, fused = plain_and_fused(model, fused_llama.fuse_llama_trunk, fused_llama.unfuse_llama_trunk, DEVICE,
+                                   packed)
     assert _rel(fused, plain) <= 1e-5
 
 

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from fused_forward import plain_and_fused, relative_difference
 
 fused_norm = pytest.importorskip("fastppl.accel.fused_norm")
 if fused_norm.triton is None or (not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"):
@@ -25,26 +26,14 @@ def _model_with_biases(dtype=torch.float32):
     return model.to(dtype)
 
 
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+_rel = relative_difference
 
 
 @pytest.mark.slow   # Triton's interpreter on the CPU
 @pytest.mark.parametrize("packed", [False, True])
 def test_fused_forward_equals_the_plain_forward(packed):
-    model = _model_with_biases()
-    g = torch.Generator(device=DEVICE).manual_seed(1)
-    ids = torch.randint(0, 50257, (3, 40), device=DEVICE, generator=g)
-    args = ()
-    if packed:   # two documents a row: positions restart, no attention across
-        positions = torch.cat([torch.arange(15), torch.arange(25)]).to(DEVICE).expand(3, -1)
-        documents = torch.cat([torch.zeros(15), torch.ones(25)]).long().to(DEVICE).expand(3, -1)
-        args = (positions, documents)
-    with torch.inference_mode():
-        plain = model(ids, *args)
-        assert fused_norm.fuse_residual_norms(model)
-        fused = model(ids, *args)
-        fused_norm.unfuse_residual_norms(model)
+    plain, fused = plain_and_fused(_model_with_biases(), fused_norm.fuse_residual_norms,
+                                   fused_norm.unfuse_residual_norms, DEVICE, packed)
     assert _rel(fused, plain) <= 1e-5
 
 
