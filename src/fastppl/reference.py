@@ -59,10 +59,10 @@ def reference_tokenizer(reference_model: str) -> Optional[Tokenizer]:
         return None
 
 
-def check_reference_tokenizer(config: EvalConfig, tokenizer: Tokenizer, own: Optional[Tokenizer] = None) -> None:
-    """Both models must read the same ids as the same text: a reference whose own tokenizer (`own`, else read
-    now) differs from the run's in any token or rule (the same vocabulary size is not enough) is refused."""
-    own = own or reference_tokenizer(config.reference_model)
+def check_reference_tokenizer(config: EvalConfig, tokenizer: Tokenizer, own: Optional[Tokenizer]) -> None:
+    """Both models must read the same ids as the same text: a reference whose own tokenizer (`own`, from
+    reference_tokenizer; None where it has none) differs from the run's in any token or rule (the same vocabulary
+    size is not enough) is refused."""
     if own is not None and not same_tokenizer(own, tokenizer):
         raise FastpplError(
             f"--reference-model {config.reference_model} has a tokenizer of its own that differs from the run's "
@@ -77,7 +77,7 @@ def load_reference(config: EvalConfig, dtype: torch.dtype, device: torch.device)
 
 
 def check_reference_matches(config: EvalConfig, reference: nn.Module, model: nn.Module,
-                            tokenizer: Optional[Tokenizer], own_tokenizer: Optional[Tokenizer] = None) -> None:
+                            tokenizer: Optional[Tokenizer], own_tokenizer: Optional[Tokenizer]) -> None:
     """Refused when the reference's vocabulary is not the model's (the two must score the same token ids), or its
     own tokenizer is not the run's `tokenizer`."""
     if reference.vocab_size != model.vocab_size:
