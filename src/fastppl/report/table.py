@@ -6,7 +6,7 @@ import io
 import math
 from pathlib import Path
 
-from .tables import format_table
+from .tables import format_table, one_line
 
 TABLE_FORMAT = "fastppl-table/1"   # the "format" of a table's --json (fastppl.table), which fastppl compare reads
 
@@ -49,21 +49,23 @@ def table_text(table: dict, markdown: bool = False) -> str:
     right = [spec != "s" for _, _, spec in COLUMNS]
     lines = [format_table([header for header, _, _ in COLUMNS], rows, markdown, right), ""]
     base = dict(zip(table["models"], short_names(table["models"]))).get(table["base"], table["base"])
-    against = f"ΔPPL against {base} on the same corpus"
+    against = f"ΔPPL against {one_line(base)} on the same corpus"
     if table.get("reference_model"):
         against += "; KLD (nats/token) and same top-1 against it, on the same windows"
     lines.append(against + "; n/a where the base's tokens differ or its cell failed.")
     if failed:
         lines.append("")
-        lines += [f"- failed: {names[row['model']]} on {row['corpus']}: {row['error']}" for row in failed]
+        lines += [f"- failed: {one_line(names[row['model']])} on {one_line(row['corpus'])}: {one_line(row['error'])}"
+                  for row in failed]
     return "\n".join(lines)
 
 
 def table_csv(table: dict) -> str:
     out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\n")
+    # every text quoted: a name may hold a comma, a quote, a newline or a lone carriage return, which the minimal
+    # quoting of Python 3.11 leaves bare; numbers as repr writes them
+    writer = csv.writer(out, lineterminator="\n", quoting=csv.QUOTE_NONNUMERIC)
     writer.writerow(CSV_COLUMNS)
     for row in table["rows"]:
-        writer.writerow(["" if row.get(k) is None else repr(row[k]) if isinstance(row[k], float) else row[k]
-                         for k in CSV_COLUMNS])
+        writer.writerow(["" if row.get(k) is None else row[k] for k in CSV_COLUMNS])
     return out.getvalue()
