@@ -1,9 +1,10 @@
 """A GGUF's tokenizer gives llama.cpp's ids for every tokenizer.ggml.pre fastppl supports, and a pre-tokenizer it
 cannot reproduce is refused. The expected ids in llama_cpp_tokenize.json are llama.cpp's own: llama-tokenize, built
-from llama.cpp's source on the CPU, run as `llama-tokenize -m FILE -f TEXT --ids --no-escape --log-disable` (and
-with --parse-special on the text that spells special tokens) on the files gguf_vocab.write_vocab_gguf writes, under
-one name of each distinct rule of fastppl.data.gguf_tokenizer.PRE_TOKENIZERS, under no name, and with no
-add_bos_token key; and on SmolLM2-135M-Instruct's GGUF (tests/models/test_gguf_smollm2.py)."""
+from llama.cpp's source on the CPU, run as `llama-tokenize -m FILE -f TEXT --ids --no-escape --log-disable
+--no-parse-special` (as llama-perplexity tokenizes; and without --no-parse-special, its default, on the text that
+spells special tokens) on the files gguf_vocab.write_vocab_gguf writes, under one name of each distinct rule of
+fastppl.data.gguf_tokenizer.PRE_TOKENIZERS, under no name, and with no add_bos_token key; and on
+SmolLM2-135M-Instruct's GGUF (tests/models/test_gguf_smollm2.py)."""
 import json
 from pathlib import Path
 
@@ -37,7 +38,7 @@ def test_a_ggufs_ids_are_llama_cpps(case, tmp_path, tokenizer_dir):
     as_llama_cpp_reads = tokenizer.with_specials_as_text()   # llama.cpp tokenizes without parse_special
     for text, ids in zip(FIXTURE["texts"], case["ids"]):
         assert fastppl_ids(as_llama_cpp_reads, text) == ids, text
-    # with --parse-special, "<|endoftext|>" is the special token: fastppl's default
+    # llama-tokenize's default parses "<|endoftext|>" as the special token: fastppl's default too
     assert fastppl_ids(tokenizer, FIXTURE["texts"][FIXTURE["special_text"]]) == case["parsed_special"]
 
 
