@@ -63,6 +63,8 @@ def evaluate(config: EvalConfig, reuse: Optional[Reuse] = None) -> EvalResult:
     run.stage_done("read_corpus")
     tokenizer_name = config.tokenizer or default_tokenizer_name(config.model)
     tokenizer = reuse.tokenizer(tokenizer_name, lambda: load_tokenizer(tokenizer_name))
+    if protocol is not None and protocol.specials_as_text:
+        tokenizer = tokenizer.with_specials_as_text()
     run.stage_done("load_tokenizer")
     # tokenizing needs neither the model nor the GPU: it runs beside the weights' loading and the CUDA start
     encoding = InBackground(lambda: encode_once(reuse, corpus_key, documents, tokenizer), "fastppl-tokenize")

@@ -434,6 +434,25 @@ def test_bad_gguf_files_are_one_line_and_exit_2(llama_gguf, tmp_path, capsys):
         assert not (tmp_path / "report.json").exists()
 
 
+def test_a_pre_tokenizer_fastppl_does_not_reproduce_is_refused_and_the_users_tokenizer_used(llama_gguf, tmp_path,
+                                                                                              tiny_tokenizer, capsys):
+    """tokenizer.ggml.pre 'afmoe' (llama.cpp's digits grouped by a rule of its own): one line naming it, else with
+    --tokenizer the run reads that tokenizer."""
+    from fastppl.cli import main
+    path, _ = llama_gguf
+    afmoe = _patched(path, tmp_path / "afmoe.gguf", path.read_bytes().index(b"gpt-2"), b"afmoe")
+    (tmp_path / "text.txt").write_text(TEXT * 3)
+    code = main(["eval", "--model", str(afmoe), "--data", str(tmp_path / "text.txt"), "--device", "cpu", "--quiet",
+                 "--json", str(tmp_path / "report.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("fastppl: error: ") and err.count("\n") == 1, err
+    assert "tokenizer.ggml.pre 'afmoe'" in err and "--tokenizer" in err and not (tmp_path / "report.json").exists()
+    (tmp_path / "tokenizer").mkdir()
+    tiny_tokenizer.save(str(tmp_path / "tokenizer" / "tokenizer.json"))
+    report = _eval(afmoe, tmp_path / "text.txt", tmp_path / "report.json", "--tokenizer", str(tmp_path / "tokenizer"))
+    assert report["tokens_scored"] == 258
+
+
 def test_a_missing_gguf_file_is_one_line(tmp_path):
     with pytest.raises(FastpplError, match="no such file"):
         load_model(str(tmp_path / "absent.gguf"), "auto", torch.float32)

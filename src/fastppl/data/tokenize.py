@@ -1,6 +1,8 @@
 """Tokenizer loading and tokenisation with an on-disk cache of token ids."""
 from __future__ import annotations
 
+import copy
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +59,15 @@ class Tokenizer:
         except BaseException as e:   # the Rust side's errors; a panic there is a BaseException (pyo3's)
             raise FastpplError(f"the tokenizer cannot encode a text of {n_chars:,} characters ({first_line(e)}); "
                                "split it into smaller documents (.jsonl, or a directory of files)") from None
+
+    def with_specials_as_text(self) -> Tokenizer:
+        """A copy that reads a special token's spelling in a text ("<|endoftext|>") as text, as llama.cpp tokenizes
+        without parse_special (a user-defined, not special, added token is still matched); its own fingerprint keeps
+        the token cache's entries apart."""
+        backend = copy.deepcopy(self.backend)
+        backend.encode_special_tokens = True
+        fingerprint = hashlib.sha256(f"{self.fingerprint} specials as text".encode()).hexdigest()[:16]
+        return dataclasses.replace(self, backend=backend, fingerprint=fingerprint)
 
     def decode(self, ids) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
