@@ -102,12 +102,23 @@ def _brute_force_columns(models, stream: list[int], pairs, rows: int = 64) -> di
             log_p, reference_log_p = (_float64_log_softmax(m, reads) for m in (model, reference))    # (n, V) each
             tokens = torch.tensor([[stream[target]] for _, target in block])                       # (n, 1)
             nll, reference_nll = (-x.gather(1, tokens)[:, 0] for x in (log_p, reference_log_p))
-            kld = (reference_log_p.exp() * (reference_log_p - log_p)).sum(-1)
+            p, reference_p = log_p.exp(), reference_log_p.exp()
+            kld = (reference_p * (reference_log_p - log_p)).sum(-1)
+            reverse_kld = (p * (log_p - reference_log_p)).sum(-1)
+            entropy, reference_entropy = (-(x.exp() * x).sum(-1) for x in (log_p, reference_log_p))
             same = (log_p.argmax(-1) == reference_log_p.argmax(-1)).double()
             delta_p = (-nll).exp() - (-reference_nll).exp()
+            target_log_p = log_p.gather(1, tokens)
+            ids = torch.arange(log_p.shape[1])
+            rank = ((log_p > target_log_p) | ((log_p == target_log_p) & (ids < tokens))).sum(-1).double()
+            top, reference_top = log_p.topk(10).indices, reference_log_p.topk(10).indices
+            overlaps = [[len(set(top[i, :k].tolist()) & set(reference_top[i, :k].tolist())) / k for k in (5, 10)]
+                        for i in range(len(block))]
             for i, (_, target) in enumerate(block):
                 columns[target] = [float(nll[i]), float(reference_nll[i]), float(kld[i]), float(same[i]),
-                                   float(delta_p[i])]
+                                   float(delta_p[i]), float(reverse_kld[i]), float(entropy[i]),
+                                   float(reference_entropy[i]), float(rank[i]), float(reference_p[i].max()),
+                                   *overlaps[i]]
     return columns
 
 
@@ -128,22 +139,52 @@ def _mean_and_error(values: np.ndarray) -> tuple[float, float]:
 
 
 def _brute_force_statistics(columns: np.ndarray) -> dict:
-    nll, reference_nll, kld, same, delta_p = columns.T
-    expected = {"tokens": len(kld), "ppl": math.exp(nll.sum() / len(nll)),
-                "reference_ppl": math.exp(reference_nll.sum() / len(nll)), "kld_max": kld.max(), "kld_min": kld.min(),
-                "kld_median": _percentile(kld, 50), "delta_p_min": delta_p.min(), "delta_p_max": delta_p.max(),
-                "delta_p_rms": math.sqrt(sum(delta_p * delta_p) / len(delta_p))}
-    expected["nll"], expected["reference_nll"] = nll.sum() / len(nll), reference_nll.sum() / len(nll)
-    for mean, error, values in (("kld_mean", "kld_mean_error", kld), ("same_top1", "same_top1_error", same),
-                                ("delta_p_mean", "delta_p_mean_error", delta_p),
+    """Every statistic from its definition: llama.cpp's perplexity.cpp (tools/perplexity) where it has one."""
+    c = dict(zip(COLUMNS, columns.T))
+    nll, reference_nll, kld, delta_p = c["nll"], c["reference_nll"], c["kld"], c["delta_p"]
+    n = len(kld)
+    expected = {"tokens": n, "ppl": math.exp(nll.sum() / n), "reference_ppl": math.exp(reference_nll.sum() / n),
+                "target_top1": float(np.mean(c["target_rank"] == 0)),
+                "entropy_mean": c["entropy"].sum() / n, "reference_entropy_mean": c["reference_entropy"].sum() / n,
+                "delta_p_rms": math.sqrt(sum(delta_p * delta_p) / n)}
+    expected["nll"], expected["reference_nll"] = nll.sum() / n, reference_nll.sum() / n
+    for mean, error, values in (("same_top1", "same_top1_error", c["same_top1"]),
+                                ("top5_overlap", "top5_overlap_error", c["top5_overlap"]),
+                                ("top10_overlap", "top10_overlap_error", c["top10_overlap"]),
                                 ("ln_ppl_ratio", "ln_ppl_ratio_error", nll - reference_nll)):
         expected[mean], expected[error] = _mean_and_error(values)
+    for name, percents in (("kld", (0.1, 1, 5, 10, 50, 90, 95, 99, 99.9)),
+                           ("reverse_kld", (50, 99)), ("delta_p", (0.1, 1, 5, 10, 25, 50, 75, 90, 95, 99, 99.9))):
+        values = c[name]
+        expected[f"{name}_mean"], expected[f"{name}_mean_error"] = _mean_and_error(values)
+        expected[f"{name}_min"], expected[f"{name}_max"] = values.min(), values.max()
+        ordered = np.sort(values)   # llama.cpp's median: the middle value, or the mean of the middle two
+        expected[f"{name}_median"] = (ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2)
+        for p in percents:
+            expected[f"{name}_p{p:g}"] = _percentile(values, p)
+    # llama.cpp: se of each ln PPL, their covariance (Σab/n - mean a mean b) / (n - 1), the ratio's error from both
+    (_, se), (_, reference_se) = _mean_and_error(nll), _mean_and_error(reference_nll)
+    covariance = (sum(nll * reference_nll) / n - nll.mean() * reference_nll.mean()) / (n - 1)
+    expected["ln_ppl_ratio_error"] = math.sqrt(se * se + reference_se * reference_se - 2 * covariance)
+    expected["ppl_error"] = expected["ppl"] * se
+    expected["reference_ppl_error"] = expected["reference_ppl"] * reference_se
     expected["ppl_ratio"] = expected["ppl"] / expected["reference_ppl"]
     expected["ppl_ratio_error"] = expected["ppl_ratio"] * expected["ln_ppl_ratio_error"]
-    for p in (50, 90, 95, 99, 99.9):
-        expected[f"kld_p{p:g}"] = _percentile(kld, p)
-    for p in (0.1, 1, 5, 10, 25, 50, 75, 90, 95, 99, 99.9):
-        expected[f"delta_p_p{p:g}"] = _percentile(delta_p, p)
+    expected["ppl_difference"] = expected["ppl"] - expected["reference_ppl"]
+    expected["ppl_difference_error"] = math.sqrt(expected["ppl_error"] ** 2 + expected["reference_ppl_error"] ** 2
+                                                 - 2 * expected["ppl"] * expected["reference_ppl"] * covariance)
+    r = covariance / (se * reference_se)
+    expected["ln_ppl_correlation"], expected["ln_ppl_correlation_error"] = r, (1 - r * r) / math.sqrt(n - 3)
+    _, square_error = _mean_and_error(delta_p * delta_p)
+    expected["delta_p_rms_error"] = 0.5 / expected["delta_p_rms"] * square_error
+    expected["target_rank_median"] = float(np.median(c["target_rank"]))
+    edges = [i / 10 for i in range(11)]
+    expected["kld_by_confidence"] = []
+    for low, high in zip(edges, edges[1:]):
+        inside = kld[(c["reference_top1_p"] >= low) & ((c["reference_top1_p"] < high) | (high == 1.0))]
+        expected["kld_by_confidence"].append({"low": low, "high": high, "tokens": len(inside),
+                                              "kld_mean": inside.mean() if len(inside) else None,
+                                              "kld_share": inside.sum() / kld.sum()})
     return expected
 
 
@@ -163,12 +204,32 @@ def _assert_statistics(result: dict, expected: dict) -> None:
     d = result["divergence"]
     largest_p = float(np.exp(-np.nanmin(result.per_token[:, :2])))   # the likeliest target of either model
     for name, value in expected.items():
+        if name == "kld_by_confidence":
+            assert [b["tokens"] for b in d[name]] == [b["tokens"] for b in value]
+            for got, want in zip(d[name], value):
+                assert (got["kld_mean"] is None) == (want["kld_mean"] is None)
+                if want["kld_mean"] is not None:
+                    assert got["kld_mean"] == pytest.approx(want["kld_mean"], rel=1e-6)
+                    assert got["kld_share"] == pytest.approx(want["kld_share"], rel=1e-6)
+            continue
         # Δp is a difference of two probabilities p = exp(-nll). An fp32 NLL near 11 is within a few of its ulps
         # (~1e-6 absolute) of float64's, so each p is within ~1e-6 relative and their difference within ~2e-6 of
         # the larger p; where the two nearly cancel, Δp's relative error grows as p / Δp, so it is held to that
-        floor = 2e-6 * largest_p if name.startswith("delta_p") else 0
+        floor = 2e-6 * largest_p if name.startswith("delta_p") else 1 if name == "target_rank_median" else 0
         assert d[name] == pytest.approx(value, rel=1e-6, abs=floor), name
     assert result["ppl"] == pytest.approx(expected["ppl"], rel=1e-6)
+    assert d["per_token_columns"] == list(COLUMNS)
+
+
+RANK = COLUMNS.index("target_rank")
+
+
+def _assert_columns_close(per_token: np.ndarray, expected: np.ndarray, rtol: float, atol: float) -> None:
+    """Every column within the tolerance, but the target's rank within 1: an id whose logit is within the fp32
+    product's rounding of the target's (1e-6) may fall on either side of it."""
+    others = [i for i in range(len(COLUMNS)) if i != RANK]
+    np.testing.assert_allclose(per_token[:, others], expected[:, others], rtol=rtol, atol=atol)
+    np.testing.assert_allclose(per_token[:, RANK], expected[:, RANK], rtol=0, atol=1)
 
 
 CASES = [   # window, ctx, stride, bos, batch size, preset
@@ -193,9 +254,9 @@ def test_every_statistic_equals_the_float64_brute_force(related_models, tokenize
     per_token = result.per_token
     assert per_token.shape == expected_columns.shape and per_token.dtype == np.float32
     np.testing.assert_array_equal(np.isnan(per_token), np.isnan(expected_columns))   # the same tokens scored
-    np.testing.assert_allclose(per_token, expected_columns, rtol=1e-6, atol=1e-9)
+    _assert_columns_close(per_token, expected_columns, rtol=1e-6, atol=1e-9)
     # and the fp32 forward passes themselves: every value near that of float64 models
-    np.testing.assert_allclose(per_token, float64_columns, rtol=2e-5, atol=1e-8)
+    _assert_columns_close(per_token, float64_columns, rtol=2e-5, atol=1e-8)
     expected = _brute_force_statistics(expected_columns[~np.isnan(expected_columns[:, 0])])
     assert 0.05 < expected["kld_mean"] < 5 and 0 < expected["same_top1"] < 1   # a divergence worth measuring
     _assert_statistics(result, expected)
@@ -216,7 +277,7 @@ def test_documents_packed_or_bucketed_equal_the_brute_force(related_models, toke
         by_target = _brute_force_columns(models, [BOS] + ids, lm_eval_rolling_pairs(len(ids), 16))
         expected_columns += [by_target[j + 1] for j in range(len(ids))]
     expected_columns = np.array(expected_columns)
-    np.testing.assert_allclose(result.per_token, expected_columns, rtol=1e-5, atol=1e-7)
+    _assert_columns_close(result.per_token, expected_columns, rtol=1e-5, atol=1e-7)
     _assert_statistics(result, _brute_force_statistics(expected_columns))
 
 

@@ -109,7 +109,8 @@ def evaluate(config: EvalConfig, reuse: Optional[Reuse] = None) -> EvalResult:
     # how long compiling took (within scoring) and whether its code came from the cache (accel/compile_cache.py)
     prepared.acceleration.compile_reason += finish_compiled_run(prepared.score_fn, run.stage_seconds)
     result = assemble_result(run, corpus, windows, prepared, scored)
-    return result if reference is None else add_divergence(result, config, scored.sums)
+    return result if reference is None else add_divergence(result, config, scored.sums, corpus.documents,
+                                                                 corpus.tokens, plan)
 
 
 def corpus_identity(config: EvalConfig) -> tuple:
