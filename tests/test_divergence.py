@@ -281,6 +281,28 @@ def test_documents_packed_or_bucketed_equal_the_brute_force(related_models, toke
     _assert_statistics(result, _brute_force_statistics(expected_columns))
 
 
+@pytest.mark.slow   # float64 brute force over every window
+def test_each_group_has_the_brute_force_statistics_of_its_documents(related_models, tokenizer_dir, tmp_path):
+    """--group-by: each group's statistics are the brute force's over its own documents' tokens. A group of a few
+    dozen tokens averages out little of the fp32 NLLs' rounding (~5e-8 nats each), which the difference of the two
+    models' mean NLLs (~0.05) holds: those to 1e-5."""
+    docs = tmp_path / "docs.jsonl"
+    groups = ["fable", "novel", "novel", "fable"]
+    docs.write_text("".join(json.dumps({"text": d, "kind": g}) + "\n" for d, g in zip(DOCS, groups)))
+    result = _evaluate(tokenizer_dir, [docs], ctx=16, batch_size=3, group_by="kind")
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    models = _models(related_models, "gpt2-tiny")
+    by_group = {}
+    for doc, group in zip(DOCS, groups):
+        ids = tokenizer(doc)["input_ids"]
+        by_target = _brute_force_columns(models, [BOS] + ids, lm_eval_rolling_pairs(len(ids), 16))
+        by_group.setdefault(group, []).extend(by_target[j + 1] for j in range(len(ids)))
+    assert sorted(result["divergence"]["groups"]) == ["fable", "novel"]
+    for group, columns in by_group.items():
+        expected = _brute_force_statistics(np.array(columns))
+        _assert_same_statistics(result["divergence"]["groups"][group], expected, rel=1e-6, differences_rel=1e-5)
+
+
 @pytest.mark.slow
 def test_kld_by_position_is_the_mean_at_each_position(related_models, tokenizer_dir, text_path, token_ids):
     result = _evaluate(tokenizer_dir, [text_path], ctx=32, batch_size=3)
@@ -315,6 +337,50 @@ def test_transformers_backend_gives_the_native_divergence(related_models, tokeni
     for name, value in native["divergence"].items():
         if isinstance(value, float) and not name.startswith("delta_p"):
             assert hf["divergence"][name] == pytest.approx(value, rel=1e-5, abs=1e-9), name
+
+
+def _assert_same_statistics(d: dict, expected: dict, rel: float, differences_rel: float = 0.0) -> None:
+    """Every float statistic within rel (Δp's to 1e-6 of the probabilities, the rank's median within 1, the two
+    models' NLL differences within differences_rel where that is larger), and every confidence bucket's count;
+    statistics the run did not compute (None) are left out."""
+    for name, value in expected.items():
+        if isinstance(value, float) and d[name] is not None:
+            floor = 1e-6 if name.startswith("delta_p") else 1 if name == "target_rank_median" else 1e-9
+            within = max(rel, differences_rel) if name.startswith(("ln_ppl_ratio", "ppl_difference")) else rel
+            assert d[name] == pytest.approx(value, rel=within, abs=floor), name
+    assert [b["tokens"] for b in d["kld_by_confidence"]] == [b["tokens"] for b in expected["kld_by_confidence"]]
+
+
+@pytest.mark.slow   # the kernel in Triton's interpreter
+def test_the_fused_divergence_kernel_in_a_run_gives_the_chunked_statistics(related_models, tokenizer_dir, text_path,
+                                                                           monkeypatch):
+    """The scorer of fused_divergence_enabled (CUDA), run here in Triton's interpreter: every statistic within
+    1e-5 relative of the chunked path's, the top-k overlaps not computed (None), and the report saying so. Wide
+    vocabulary tiles: the interpreter's time goes by the tile (the default tiles took 16 minutes here)."""
+    pytest.importorskip("triton")
+    import os
+    import fastppl.accel.apply as apply
+    import fastppl.engine.fused_divergence as fused_divergence
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 on a machine without a GPU")
+    chunked = _evaluate(tokenizer_dir, [text_path], ctx=32, batch_size=4)
+    monkeypatch.setattr(apply, "fused_divergence_enabled", lambda device: True)
+    monkeypatch.setattr(fused_divergence, "fused_divergence_op", lambda *args: fused_divergence.fused_divergence(
+        *args, block_m=64, block_n=4096, block_k=64))
+    fused = _evaluate(tokenizer_dir, [text_path], ctx=32, batch_size=4)
+    assert fused["loss"] == "fused divergence kernel (Triton)" and chunked["loss"].startswith("chunked")
+    d = fused["divergence"]
+    assert d["top5_overlap"] is None and d["top10_overlap"] is None and chunked["divergence"]["top5_overlap"] > 0
+    _assert_same_statistics(d, chunked["divergence"], rel=1e-5)
+
+
+def test_fused_divergence_is_for_cuda_and_can_be_turned_off(monkeypatch):
+    from fastppl.accel.apply import fused_divergence_enabled
+    assert not fused_divergence_enabled(torch.device("cpu"))
+    monkeypatch.setattr("fastppl.accel.apply.fused_loss_available", lambda device: True)
+    assert fused_divergence_enabled(torch.device("cuda"))
+    monkeypatch.setenv("FASTPPL_FUSED_DIVERGENCE", "0")
+    assert not fused_divergence_enabled(torch.device("cuda"))
 
 
 @pytest.mark.slow
@@ -372,8 +438,8 @@ def test_nproc_refuses_a_reference_device_before_starting_torchrun(tmp_path, tok
     (["--reference-model", "random:gpt2-tiny", "--reference-device", "tpu"],
      "unknown --reference-device 'tpu'; use auto, cpu, cuda or cuda:N"),
     (["--reference-model", "random:gpt2-tiny", "--loss", "fused"],
-     "--loss fused does not work with --reference-model (both models' divergence runs its own chunked kernel over "
-     "every position); drop --loss fused"),
+     "--loss fused does not work with --reference-model (both models' divergence runs its own kernel); drop "
+     "--loss fused"),
     (["--reference-model", "random:gpt2-tiny", "--kv-cache", "on", "--window", "sliding"],
      "--kv-cache on does not work with --reference-model (both models read the planned windows whole, and cached "
      "windows read only their new tokens); drop --kv-cache on"),
@@ -476,14 +542,18 @@ needs_a_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA 
 @pytest.mark.gpu
 @needs_a_gpu
 @pytest.mark.parametrize("window, stride", [("chunked", None), ("sliding", 12)])
-def test_on_the_gpu_the_divergence_gives_the_cpu_statistics(related_models, tokenizer_dir, text_path, window, stride):
-    """fp32 on CUDA against fp32 on the CPU: the same statistics up to the two devices' products (1e-5 relative)."""
-    on_cpu, on_gpu = (_evaluate(tokenizer_dir, [text_path], ctx=32, batch_size=3, window=window, stride=stride,
-                                device=device) for device in ("cpu", "cuda"))
-    assert on_gpu["loss"] == "chunked projection, divergence in torch"
-    for name, value in on_cpu["divergence"].items():
-        if isinstance(value, float) and not name.startswith("delta_p"):
-            assert on_gpu["divergence"][name] == pytest.approx(value, rel=1e-5, abs=1e-9), name
+@pytest.mark.parametrize("fused", [True, False])
+def test_on_the_gpu_the_divergence_gives_the_cpu_statistics(related_models, tokenizer_dir, text_path, window, stride,
+                                                            fused, monkeypatch):
+    """fp32 on CUDA (the fused kernel, or the chunked path with FASTPPL_FUSED_DIVERGENCE=0) against fp32 on the
+    CPU: the same statistics up to the two devices' products (1e-5 relative)."""
+    on_cpu = _evaluate(tokenizer_dir, [text_path], ctx=32, batch_size=3, window=window, stride=stride, device="cpu")
+    if not fused:
+        monkeypatch.setenv("FASTPPL_FUSED_DIVERGENCE", "0")
+    on_gpu = _evaluate(tokenizer_dir, [text_path], ctx=32, batch_size=3, window=window, stride=stride, device="cuda")
+    assert on_gpu["loss"] == ("fused divergence kernel (Triton)" if fused
+                              else "chunked projection, divergence in torch")
+    _assert_same_statistics(on_gpu["divergence"], on_cpu["divergence"], rel=1e-5)
     itself = _evaluate(tokenizer_dir, [text_path], reference_seed=0, ctx=32, device="cuda", dtype="bf16")
     assert itself["divergence"]["kld_max"] == 0.0 and itself["divergence"]["same_top1"] == 1.0
 

@@ -284,6 +284,8 @@ def resume_fingerprint(run: Run, corpus: Corpus, acceleration: Acceleration, bat
                     stride=sliding_stride(config.stride, ctx) if config.window == "sliding" else None,
                     batch_size=batches.size, batching=acceleration.batching, device=str(run.device),
                     dtype=str(run.dtype))
+    if config.reference_model:   # the fused kernel's columns and the chunked path's differ in fp32's last digits
+        resolved["divergence"] = acceleration.loss
     return run_fingerprint(
         config.to_dict(), resolved, corpus_sha256=corpus.digest, document_ids_sha256=document_ids_sha256(documents),
         tokenizer_fingerprint=tokenizer.fingerprint, model_files=model_files(config.model), windows=len(plan.refs),

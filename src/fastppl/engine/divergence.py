@@ -122,17 +122,23 @@ def _row_sums_float64(x: torch.Tensor, elementwise=None, other: Optional[torch.T
     return torch.cat(pieces)
 
 
-def make_divergence_score_fn(model: nn.Module, reference: nn.Module, chunk_rows: int = 8192):
-    """A scorer as fastppl.engine.score.make_score_fn's, whose output is (B, T, 5) fp32 (the COLUMNS, 0 where not
-    scored) instead of (B, T): column 0 is the model's NLL, which every NLL sum reads. Both models read the same
-    rows (and packed rows' positions and documents). A reference on a device of its own runs its forward there;
-    its hidden states come to the model's device, where a copy of its output projection computes its logits."""
+def make_divergence_score_fn(model: nn.Module, reference: nn.Module, chunk_rows: int = 8192, fused: bool = False):
+    """A scorer as fastppl.engine.score.make_score_fn's, whose output is (B, T, len(COLUMNS)) fp32 (the COLUMNS, 0
+    where not scored) instead of (B, T): column 0 is the model's NLL, which every NLL sum reads. Both models read
+    the same rows (and packed rows' positions and documents). A reference on a device of its own runs its forward
+    there; its hidden states come to the model's device, where a copy of its output projection computes its
+    logits. fused: the columns from engine.fused_divergence's kernel (CUDA) instead of chunked_divergence."""
     device, reference_device = model.lm_head.weight.device, reference.lm_head.weight.device
     bias = getattr(model.lm_head, "bias", None)
     reference_weight = reference.lm_head.weight.to(device)
     reference_bias = getattr(reference.lm_head, "bias", None)
     reference_bias = None if reference_bias is None else reference_bias.to(device)
     chunk_rows = max(1, min(chunk_rows, CHUNK_LOGITS // model.lm_head.weight.shape[0]))
+    if fused:
+        from .fused_divergence import fused_divergence_op as divergence
+    else:
+        def divergence(*args):
+            return chunked_divergence(*args, chunk_rows)
 
     def score(input_ids: torch.Tensor, targets: torch.Tensor, score_mask: torch.Tensor,
               position_ids: Optional[torch.Tensor] = None, document_ids: Optional[DocumentIds] = None,
@@ -146,13 +152,13 @@ def make_divergence_score_fn(model: nn.Module, reference: nn.Module, chunk_rows:
             reference_hidden = reference(*_moved((input_ids, *packed), reference_device)).to(device)
         reference_hidden, targets = reference_hidden.reshape(B * T, -1), targets.reshape(B * T)
         if scored_rows is None:
-            values = chunked_divergence(hidden, model.lm_head.weight, reference_hidden, reference_weight, targets,
-                                        bias, reference_bias, chunk_rows)             # (B * T, 5)
+            values = divergence(hidden, model.lm_head.weight, reference_hidden, reference_weight, targets, bias,
+                                reference_bias)                                       # (B * T, len(COLUMNS))
             return torch.where(score_mask[..., None], values.view(B, T, len(COLUMNS)), 0.0)
         # the vocabulary products on the scored rows only: a sliding window's context and padding rows skip them
-        values = chunked_divergence(
+        values = divergence(
             hidden.index_select(0, scored_rows), model.lm_head.weight, reference_hidden.index_select(0, scored_rows),
-            reference_weight, targets.index_select(0, scored_rows), bias, reference_bias, chunk_rows)
+            reference_weight, targets.index_select(0, scored_rows), bias, reference_bias)
         return values.new_zeros(B * T, len(COLUMNS)).index_copy_(0, scored_rows, values).view(B, T, len(COLUMNS))
 
     # the scoring loop passes scored_rows= (fastppl.engine.score.scored_rows_of); a compiled scorer takes none
