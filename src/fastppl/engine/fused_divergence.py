@@ -8,7 +8,8 @@ running maximum logit, d = logit - m and the sums
 
     S = Σ exp(d),  U = Σ exp(d) d,  X_BA = Σ exp(dB) (dB - dA),  X_AB = Σ exp(dA) (dA - dB)
 
-rescaled when a maximum grows by δ (U → e^-δ (U - δ S); X_BA → e^-δB (X_BA - (δB - δA) S_B)); plus each model's
+rescaled when a maximum grows by δ (U → e^-δ (U - δ S); X_BA → e^-δB (X_BA - (δB - δA) S_B)), kept in float64
+(a tile's own sums are fp32, as the chunked path's exponentials are); plus each model's
 top-1 (the lowest id on a tie), the target's logit in each, and how many ids the model puts above the target. The
 segments' statistics are combined in float64 by the same rules (combine_segments), and the columns follow as in
 engine.divergence: KL(A ‖ B) = X_AB / S_A + ln(S_B / S_A), H = ln S - U / S, max p_A = 1 / S_A, ... No ln S is
@@ -56,9 +57,11 @@ if triton is not None:
         rank += tl.sum((above & (cols[None, :] != targets[:, None])).to(tl.int32), axis=1)
         new_m, arg = _running_max(z, cols, m, arg)
         new_ref_m, ref_arg = _running_max(ref_z, cols, ref_m, ref_arg)
-        delta, ref_delta = new_m - m, new_ref_m - ref_m
+        # the running sums are float64 (as the chunked path's vocabulary sums): in fp32, KL = X_AB / S_A +
+        # ln(S_B / S_A) of two close models kept the sums' rounding, 1e-7 of ln(S_B / S_A), as 1e-5 of a small KL
+        delta, ref_delta = (new_m - m).to(tl.float64), (new_ref_m - ref_m).to(tl.float64)
         started = s > 0    # before the first tile m = -inf, δ = inf: the old sums are 0 and stay 0
-        scale, ref_scale = tl.exp2(-delta * LOG2E), tl.exp2(-ref_delta * LOG2E)
+        scale, ref_scale = tl.exp(-delta), tl.exp(-ref_delta)
         u = tl.where(started, scale * (u - delta * s), 0.0)
         ref_u = tl.where(started, ref_scale * (ref_u - ref_delta * ref_s), 0.0)
         x = tl.where(started, scale * (x - (delta - ref_delta) * s), 0.0)
@@ -69,12 +72,12 @@ if triton is not None:
         if TAIL:   # past V: e = 0, and d = -inf, whose products with it would be NaN
             d = tl.where(col_ok[None, :], d, 0.0)
             ref_d = tl.where(col_ok[None, :], ref_d, 0.0)
-        s += tl.sum(e, axis=1)
-        ref_s += tl.sum(ref_e, axis=1)
-        u += tl.sum(e * d, axis=1)
-        ref_u += tl.sum(ref_e * ref_d, axis=1)
-        x += tl.sum(e * (d - ref_d), axis=1)
-        ref_x += tl.sum(ref_e * (ref_d - d), axis=1)
+        s += tl.sum(e, axis=1).to(tl.float64)
+        ref_s += tl.sum(ref_e, axis=1).to(tl.float64)
+        u += tl.sum(e * d, axis=1).to(tl.float64)
+        ref_u += tl.sum(ref_e * ref_d, axis=1).to(tl.float64)
+        x += tl.sum(e * (d - ref_d), axis=1).to(tl.float64)
+        ref_x += tl.sum(ref_e * (ref_d - d), axis=1).to(tl.float64)
         return new_m, s, u, x, arg, new_ref_m, ref_s, ref_u, ref_x, ref_arg, t, ref_t, rank
 
     @triton.jit
@@ -100,7 +103,7 @@ if triton is not None:
         TMA: tl.constexpr, SEGMENTS: tl.constexpr, OFFSETS_64: tl.constexpr,
     ):
         """Program (row block, segment) folds its segment's tiles (the last segment also the partial tile) and
-        writes its rows' statistics to partial_ptr (13, SEGMENTS, N), the fields in _fold_pair's order."""
+        writes its rows' statistics to partial_ptr (13, SEGMENTS, N) float64, the fields in _fold_pair's order."""
         pid = tl.program_id(0)
         segment = tl.program_id(1)
         row_start = pid * BLOCK_M
@@ -110,8 +113,10 @@ if triton is not None:
         rank_logit = tl.load(rank_logit_ptr + rows, mask=row_ok, other=0.0)
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         ref_m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        s = tl.zeros((BLOCK_M,), tl.float32)
-        u, x, ref_s, ref_u, ref_x, t, ref_t = s, s, s, s, s, s, s
+        s = tl.zeros((BLOCK_M,), tl.float64)
+        u, x, ref_s, ref_u, ref_x = s, s, s, s, s
+        t = tl.zeros((BLOCK_M,), tl.float32)
+        ref_t = t
         arg = tl.zeros((BLOCK_M,), tl.int32)
         ref_arg, rank = arg, arg
         full_tiles = full_tiles_end // BLOCK_N
@@ -140,27 +145,27 @@ if triton is not None:
                 t, ref_t, rank, True)
         at = partial_ptr + segment * N + rows
         step = SEGMENTS * N
-        tl.store(at, m, mask=row_ok)
+        tl.store(at, m.to(tl.float64), mask=row_ok)
         tl.store(at + step, s, mask=row_ok)
         tl.store(at + 2 * step, u, mask=row_ok)
         tl.store(at + 3 * step, x, mask=row_ok)
-        tl.store(at + 4 * step, arg.to(tl.float32), mask=row_ok)
-        tl.store(at + 5 * step, ref_m, mask=row_ok)
+        tl.store(at + 4 * step, arg.to(tl.float64), mask=row_ok)
+        tl.store(at + 5 * step, ref_m.to(tl.float64), mask=row_ok)
         tl.store(at + 6 * step, ref_s, mask=row_ok)
         tl.store(at + 7 * step, ref_u, mask=row_ok)
         tl.store(at + 8 * step, ref_x, mask=row_ok)
-        tl.store(at + 9 * step, ref_arg.to(tl.float32), mask=row_ok)
-        tl.store(at + 10 * step, t, mask=row_ok)
-        tl.store(at + 11 * step, ref_t, mask=row_ok)
-        tl.store(at + 12 * step, rank.to(tl.float32), mask=row_ok)
+        tl.store(at + 9 * step, ref_arg.to(tl.float64), mask=row_ok)
+        tl.store(at + 10 * step, t.to(tl.float64), mask=row_ok)
+        tl.store(at + 11 * step, ref_t.to(tl.float64), mask=row_ok)
+        tl.store(at + 12 * step, rank.to(tl.float64), mask=row_ok)
 
 
 def combine_segments(partial: torch.Tensor) -> torch.Tensor:
-    """(N, len(COLUMNS)) fp32 from the kernel's (13, segments, N) statistics, combined in float64: each segment's
+    """(N, len(COLUMNS)) fp32 from the kernel's (13, segments, N) float64 statistics, combined: each segment's
     sums brought to the row's maximum by the kernel's own rescaling rules; the top-1 from the first segment that
     holds the maximum (the lowest id on a tie); the target's logits and the rank added over the segments. The
     top-k overlaps are NaN (not computed)."""
-    (m, s, u, x, arg, ref_m, ref_s, ref_u, ref_x, ref_arg, t, ref_t, rank) = partial.double().unbind(0)  # (seg, N)
+    (m, s, u, x, arg, ref_m, ref_s, ref_u, ref_x, ref_arg, t, ref_t, rank) = partial.unbind(0)   # (seg, N) each
     top, ref_top = m.max(0), ref_m.max(0)
     delta, ref_delta = top.values - m, ref_top.values - ref_m
     scale, ref_scale = torch.exp(-delta), torch.exp(-ref_delta)
@@ -228,7 +233,7 @@ def fused_divergence(
         sources = [TensorDescriptor.from_tensor(x, [block_m if i % 2 == 0 else block_n, block_k])
                    for i, x in enumerate(sources)]
     segments = vocabulary_segments(V, block_n) if segments is None else segments
-    partial = torch.empty((13, segments, N), dtype=torch.float32, device=hidden.device)
+    partial = torch.empty((13, segments, N), dtype=torch.float64, device=hidden.device)
     rank_logit = _target_logits(hidden, weight, targets, bias)
     offsets_64 = not tma and (needs_64bit_offsets(N, hidden.stride(0), V, weight.stride(0))
                               or needs_64bit_offsets(N, reference_hidden.stride(0), V, reference_weight.stride(0)))
