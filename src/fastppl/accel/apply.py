@@ -154,7 +154,10 @@ def divergence_score_fn_for(model: nn.Module, reference: nn.Module, acceleration
             "bucketed (auto: the reference model cannot keep packed documents apart)"))
     if reference_fusions.mlp_epilogue != acceleration.mlp_epilogue:   # a report line for the model under test
         acceleration = dataclasses.replace(acceleration, mlp_epilogue=acceleration.mlp_epilogue + " (model only)")
-    score_fn = make_divergence_score_fn(model, reference, chunk_rows, fused)
+    fused_fn = None
+    if fused:
+        from ..engine.fused_divergence import fused_divergence_op as fused_fn
+    score_fn = make_divergence_score_fn(model, reference, chunk_rows, fused_fn)
     if acceleration.compiled:
         what = "divergence-fused" if fused else "divergence"
         score_fn = compile_score_fn(score_fn, compile_cache.cache_key(model, what, reference))

@@ -122,23 +122,21 @@ def _row_sums_float64(x: torch.Tensor, elementwise=None, other: Optional[torch.T
     return torch.cat(pieces)
 
 
-def make_divergence_score_fn(model: nn.Module, reference: nn.Module, chunk_rows: int = 8192, fused: bool = False):
+def make_divergence_score_fn(model: nn.Module, reference: nn.Module, chunk_rows: int = 8192, fused_fn=None):
     """A scorer as fastppl.engine.score.make_score_fn's, whose output is (B, T, len(COLUMNS)) fp32 (the COLUMNS, 0
     where not scored) instead of (B, T): column 0 is the model's NLL, which every NLL sum reads. Both models read
     the same rows (and packed rows' positions and documents). A reference on a device of its own runs its forward
     there; its hidden states come to the model's device, where a copy of its output projection computes its
-    logits. fused: the columns from engine.fused_divergence's kernel (CUDA) instead of chunked_divergence."""
+    logits. fused_fn: what computes the columns instead of chunked_divergence (engine.fused_divergence's kernel on
+    CUDA, as accel.apply chooses), with chunked_divergence's arguments but chunk_rows."""
     device, reference_device = model.lm_head.weight.device, reference.lm_head.weight.device
     bias = getattr(model.lm_head, "bias", None)
     reference_weight = reference.lm_head.weight.to(device)
     reference_bias = getattr(reference.lm_head, "bias", None)
     reference_bias = None if reference_bias is None else reference_bias.to(device)
     chunk_rows = max(1, min(chunk_rows, CHUNK_LOGITS // model.lm_head.weight.shape[0]))
-    if fused:
-        from .fused_divergence import fused_divergence_op as divergence
-    else:
-        def divergence(*args):
-            return chunked_divergence(*args, chunk_rows)
+    def divergence(*args):
+        return chunked_divergence(*args, chunk_rows) if fused_fn is None else fused_fn(*args)
 
     def score(input_ids: torch.Tensor, targets: torch.Tensor, score_mask: torch.Tensor,
               position_ids: Optional[torch.Tensor] = None, document_ids: Optional[DocumentIds] = None,
