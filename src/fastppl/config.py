@@ -293,7 +293,7 @@ def _check_reference(config: EvalConfig) -> None:
         return
     if config.loss == "fused":
         raise FastpplError("--loss fused does not work with --reference-model (both models' divergence runs its own "
-                           "chunked kernel over every position); drop --loss fused")
+                           "kernel); drop --loss fused")
     if config.kv_cache == "on":
         raise FastpplError("--kv-cache on does not work with --reference-model (both models read the planned "
                            "windows whole, and cached windows read only their new tokens); drop --kv-cache on")

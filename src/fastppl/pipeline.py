@@ -111,7 +111,8 @@ def evaluate(config: EvalConfig, reuse: Optional[Reuse] = None) -> EvalResult:
     # how long compiling took (within scoring) and whether its code came from the cache (accel/compile_cache.py)
     prepared.acceleration.compile_reason += finish_compiled_run(prepared.score_fn, run.stage_seconds)
     result = assemble_result(run, corpus, windows, prepared, scored)
-    return result if reference is None else add_divergence(result, config, scored.sums)
+    return result if reference is None else add_divergence(result, config, scored.sums, corpus.documents,
+                                                                 corpus.tokens, plan)
 
 
 def corpus_identity(config: EvalConfig) -> tuple:
@@ -285,6 +286,8 @@ def resume_fingerprint(run: Run, corpus: Corpus, acceleration: Acceleration, bat
                     stride=sliding_stride(config.stride, ctx) if config.window == "sliding" else None,
                     batch_size=batches.size, batching=acceleration.batching, device=str(run.device),
                     dtype=str(run.dtype))
+    if config.reference_model:   # the fused kernel's columns and the chunked path's differ in fp32's last digits
+        resolved["divergence"] = acceleration.loss
     return run_fingerprint(
         config.to_dict(), resolved, corpus_sha256=corpus.digest, document_ids_sha256=document_ids_sha256(documents),
         tokenizer_fingerprint=tokenizer.fingerprint, model_files=model_files(config.model), windows=len(plan.refs),
