@@ -57,6 +57,10 @@ def gguf_local_path(spec: str, flag: str = "--model") -> Path:
         from huggingface_hub import hf_hub_download
         return Path(hf_hub_download(repo, filename))
     except Exception as e:
+        from .offline import Unreachable, is_unreachable
+        if is_unreachable(e):
+            raise Unreachable(f"{spec}: the hub is unreachable ({first_line(e)}); pass {flag} PATH to a local "
+                              ".gguf file") from None
         raise FastpplError(f"{spec}: the hub did not serve {filename} of {repo} ({first_line(e)}); check the "
                            f"repository and file name, or pass {flag} PATH to a local .gguf file") from None
 
@@ -267,9 +271,11 @@ def _check_named_corpora(config: EvalConfig) -> None:
     if config.protocol is None:
         named = [s for s in config.data if s in CORPUS_PROTOCOLS and not Path(s).exists()]
         if named:
-            protocols = CORPUS_PROTOCOLS[named[0]]
+            from .data.protocols import CORPORA
+            protocols, files = CORPUS_PROTOCOLS[named[0]], " or ".join(CORPORA[named[0]].local_files)
             raise FastpplError(f"--data {named[0]} is a corpus of --protocol {' or '.join(protocols)}; add "
-                               f"--protocol {protocols[0]}")
+                               f"--protocol {protocols[0]} (it reads {files} from --data-dir DIR, else the hub "
+                               "through `datasets`)")
         return
     named = [s for s in config.data if s in CORPUS_PROTOCOLS]
     if named and (config.protocol not in CORPUS_PROTOCOLS[named[0]] or len(config.data) > 1):

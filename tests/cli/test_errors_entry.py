@@ -116,6 +116,8 @@ def test_a_hub_id_with_the_hub_unreachable_fails_at_once_in_one_line(text, token
                            "--tokenizer", str(tokenizer_dir), "--data", str(text), "--device", "cpu", "--quiet"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
-    assert done.stderr.startswith("fastppl: error: unknown model 'no-such-org/no-such-model'")
+    # "unreachable", not "unknown": the hub did not say the model does not exist
+    assert done.stderr.startswith("fastppl: error: model 'no-such-org/no-such-model': not a local directory, and "
+                                  "the hub is unreachable")
     assert time.perf_counter() - started < 15
 
