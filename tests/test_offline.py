@@ -9,7 +9,7 @@ import pytest
 from fastppl.cli import main
 from fastppl.config import EvalConfig
 from fastppl.errors import FastpplError
-from fastppl.offline import is_unreachable
+from fastppl.errors import is_unreachable
 from fastppl.pipeline import evaluate
 
 
@@ -84,4 +84,4 @@ def test_a_random_preset_takes_the_data_directorys_tokenizer(no_network, tokeniz
 
 def test_a_named_corpus_without_its_protocol_says_where_its_file_goes(capsys):
     assert main(["eval", "--model", "random:gpt2-tiny", "--data", "wikitext2"]) == 2
-    assert "add --protocol gptq (it reads wiki.test.raw from --data-dir DIR" in capsys.readouterr().err
+    assert "add --protocol gptq (it reads its file from --data-dir DIR" in capsys.readouterr().err

@@ -4,51 +4,10 @@ each, so that an offline run does not fail once for each of them."""
 from __future__ import annotations
 
 import functools
-import os
-import socket
 from pathlib import Path
-from typing import Optional
 
-from .errors import FastpplError
-
-# the hub's and the HTTP clients' names for "could not get there" (huggingface_hub, httpx, requests, urllib3)
-_UNREACHABLE_NAMES = ("ConnectError", "ConnectionError", "ConnectTimeout", "Timeout", "OfflineModeIsEnabled",
-                      "LocalEntryNotFoundError", "NameResolutionError", "MaxRetryError", "NetworkError")
-LOCAL_GPT2_TOKENIZER = "gpt2-tokenizer"   # the GPT-2 tokenizer's folder in a data directory
-
-
-class Unreachable(FastpplError):
-    """A download whose server could not be reached (offline), as opposed to one that answered no."""
-
-
-def is_unreachable(error: BaseException) -> bool:
-    """Whether error, or an error it was raised from, says the network or the server could not be reached."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, (socket.gaierror, socket.timeout, ConnectionError, TimeoutError)):
-            return True
-        if any(name in cls.__name__ for cls in type(error).__mro__ for name in _UNREACHABLE_NAMES):
-            return True
-        if isinstance(getattr(error, "reason", None), BaseException):   # urllib's URLError wraps the socket's
-            error = error.reason
-            continue
-        error = error.__cause__ or error.__context__
-    return False
-
-
-def data_directories(data_dir: Optional[str]) -> list[str]:
-    """--data-dir, then FASTPPL_DATA_DIR: where built-in corpora (and a GPT-2 tokenizer) are looked for."""
-    return [d for d in (data_dir, os.environ.get("FASTPPL_DATA_DIR")) if d]
-
-
-def local_gpt2_tokenizer(data_dir: Optional[str]) -> Optional[str]:
-    """A data directory's gpt2-tokenizer folder, if one has it (random: presets' tokenizer without the hub)."""
-    for directory in data_directories(data_dir):
-        path = Path(directory) / LOCAL_GPT2_TOKENIZER
-        if (path / "tokenizer.json").is_file() or (path / "vocab.json").is_file():
-            return str(path)
-    return None
+from .config import cache_dir, data_directories, gguf_spec
+from .errors import FastpplError, Unreachable
 
 
 def _hub_cached(repo_id: str, filenames: tuple[str, ...]) -> bool:
@@ -60,13 +19,11 @@ def _hub_cached(repo_id: str, filenames: tuple[str, ...]) -> bool:
 
 
 def _is_hub_id(spec: str) -> bool:
-    from .config import gguf_spec   # config imports this module's callers
     return not Path(spec).expanduser().exists() and not spec.startswith("random:") and not gguf_spec(spec)
 
 
 def not_local(config) -> list[str]:
     """What the run would download, each with how to give it locally instead."""
-    from .config import cache_dir
     from .data.corpus import BUILTINS
     from .data.tokenize import default_tokenizer_name
     missing = []

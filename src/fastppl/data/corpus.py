@@ -18,9 +18,8 @@ from typing import Optional
 
 import numpy as np
 
-from ..config import cache_dir
-from ..errors import FastpplError, first_line, is_link_loop, no_such
-from ..offline import Unreachable, data_directories, is_unreachable
+from ..config import cache_dir, data_directories
+from ..errors import FastpplError, Unreachable, first_line, is_link_loop, is_unreachable, no_such
 from .hf_datasets import check_texts, load_hf_dataset
 from .jsonl import json_lines
 

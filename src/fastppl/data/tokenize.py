@@ -8,9 +8,8 @@ from typing import Optional
 
 import numpy as np
 
-from ..config import cache_dir, gguf_spec, is_path_like
-from ..errors import FastpplError, first_line, is_link_loop, no_such
-from ..offline import Unreachable, is_unreachable, local_gpt2_tokenizer
+from ..config import cache_dir, gguf_spec, is_path_like, local_gpt2_tokenizer
+from ..errors import FastpplError, Unreachable, first_line, is_link_loop, is_unreachable, no_such
 from . import pieces
 from .pieces import encode_in_pieces, encode_short_texts
 from .token_cache import entry_path, read_entry, text_sha256, warn, write_entry

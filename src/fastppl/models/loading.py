@@ -12,8 +12,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from ..config import gguf_spec, is_path_like
-from ..errors import FastpplError, first_line, is_link_loop, no_such
-from ..offline import Unreachable, is_unreachable
+from ..errors import FastpplError, Unreachable, first_line, is_link_loop, is_unreachable, no_such
 from .compressed import compressed_index, is_compressed_tensors
 from .gguf import load_hf_gguf, open_gguf
 from .gpt2 import GPT2, PRESETS
