@@ -34,6 +34,7 @@ from .engine.score import DeviceSums, ScoreFn, score_batches, score_plans
 from .errors import FastpplError
 from .models import load_model
 from .models.loading import position_limit_note
+from .offline import explain_offline
 from .reference import (add_divergence, check_reference_fits, check_reference_matches, load_reference,
                         reference_tokenizer, resolve_reference_device)
 from .report.progress import Progress
@@ -46,6 +47,7 @@ from .resume import (NOT_IN_FINGERPRINT, Checkpointer, document_ids_sha256, mode
 
 
 @stop_all_on_failure   # under torchrun: a failing rank makes every rank stop
+@explain_offline   # offline: one line for all that is not local
 def evaluate(config: EvalConfig, reuse: Optional[Reuse] = None) -> EvalResult:
     """One run; `reuse` holds what the runs of a table share (fastppl.reuse), a fresh one by default."""
     started = time.perf_counter()
@@ -61,7 +63,7 @@ def evaluate(config: EvalConfig, reuse: Optional[Reuse] = None) -> EvalResult:
     corpus_key = corpus_identity(config)
     documents, protocol, datasets_read = reuse.corpus(corpus_key, lambda: read_corpus(config))
     run.stage_done("read_corpus")
-    tokenizer_name = config.tokenizer or default_tokenizer_name(config.model)
+    tokenizer_name = config.tokenizer or default_tokenizer_name(config.model, config.data_dir)
     tokenizer = reuse.tokenizer(tokenizer_name, lambda: load_tokenizer(tokenizer_name))
     if protocol is not None and protocol.specials_as_text:
         tokenizer = tokenizer.with_specials_as_text()
@@ -282,7 +284,7 @@ def resume_fingerprint(run: Run, corpus: Corpus, acceleration: Acceleration, bat
     config, documents, tokenizer = run.config, corpus.documents, corpus.tokenizer
     if not config.resume:
         return None
-    resolved = dict(ctx=ctx, tokenizer=config.tokenizer or default_tokenizer_name(config.model),
+    resolved = dict(ctx=ctx, tokenizer=config.tokenizer or default_tokenizer_name(config.model, config.data_dir),
                     stride=sliding_stride(config.stride, ctx) if config.window == "sliding" else None,
                     batch_size=batches.size, batching=acceleration.batching, device=str(run.device),
                     dtype=str(run.dtype))
