@@ -288,14 +288,15 @@ def resume_fingerprint(run: Run, corpus: Corpus, acceleration: Acceleration, bat
                     stride=sliding_stride(config.stride, ctx) if config.window == "sliding" else None,
                     batch_size=batches.size, batching=acceleration.batching, device=str(run.device),
                     dtype=str(run.dtype))
-    if config.reference_model:   # the fused kernel's columns and the chunked path's differ in fp32's last digits
-        resolved["divergence"] = acceleration.loss
     return run_fingerprint(
         config.to_dict(), resolved, corpus_sha256=corpus.digest, document_ids_sha256=document_ids_sha256(documents),
         tokenizer_fingerprint=tokenizer.fingerprint, model_files=model_files(config.model), windows=len(plan.refs),
         fastppl=__version__,
         # a reference model's files, as the model's: other weights at the same path are another run
-        **({"reference_model_files": model_files(config.reference_model)} if config.reference_model else {}),
+        # and which path computes the divergence: the fused kernel's columns and the chunked path's differ in fp32's
+        # last digits
+        **({"reference_model_files": model_files(config.reference_model), "divergence_path": acceleration.loss}
+           if config.reference_model else {}),
     )
 
 

@@ -88,8 +88,8 @@ REFUSALS = [
      "--reference-seed applies with --reference-model only; add --reference-model or drop it"),
     (["--reference-device", "cpu"], "--reference-device applies with --reference-model only"),
     (["--reference-model", "{model}", "--loss", "fused"],
-     "--loss fused does not work with --reference-model (both models' divergence runs its own chunked kernel over "
-     "every position); drop --loss fused"),
+     "--loss fused does not work with --reference-model (both models' divergence runs its own kernel); drop "
+     "--loss fused"),
     (["--reference-model", "{model}", "--window", "sliding", "--kv-cache", "on"],
      "--kv-cache on does not work with --reference-model"),
     # devices (resolved before anything is read)

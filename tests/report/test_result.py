@@ -120,13 +120,14 @@ def test_evaluate_gives_typed_fields_that_the_report_repeats(tmp_path, tokenizer
     assert plain.per_token is None and plain.per_doc is None and plain["nll_sum"] == result["nll_sum"]
 
 
-def test_a_divergence_run_adds_its_section_last_and_five_per_token_columns(tmp_path, tokenizer_dir, corpus):
+def test_a_divergence_run_adds_its_section_last_and_its_per_token_columns(tmp_path, tokenizer_dir, corpus):
     result = evaluate(EvalConfig(model="random:gpt2-tiny", reference_model="random:gpt2-tiny", reference_seed=1,
                                  data=[str(corpus)], tokenizer=str(tokenizer_dir), device="cpu", ctx=16,
                                  batch_size=3, per_token="(kept)", quiet=True))
     assert list(result.to_dict())[-2:] == ["protocol", "divergence"]
     assert result.divergence["nll"] == result.metrics.nll and result["divergence"] is result.divergence
-    assert result.per_token.shape == (result.metrics.tokens_total, 5)
+    from fastppl.engine.divergence import COLUMNS
+    assert result.per_token.shape == (result.metrics.tokens_total, len(COLUMNS))
 
 
 def test_by_position_divides_the_sums_once_and_leaves_unscored_positions_empty():
