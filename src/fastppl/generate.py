@@ -242,6 +242,10 @@ def read_prompts(path: str) -> list[str]:
         raise FastpplError("--prompts: empty path; give the file of prompts")
     check_input_file(path, "check --prompts, which takes a text file of one prompt per line")
     try:
+        with open(path, "rb") as f:   # a binary file (a sparse one of zeros) is refused before it is read whole
+            if b"\0" in f.read(1 << 16):
+                raise FastpplError(f"--prompts {path}: holds a NUL byte, so it is binary, not text; save the prompts "
+                                   "as UTF-8 text, one a line")
         lines = open(path, encoding="utf-8-sig").read().splitlines()   # -sig: a byte-order mark is not text
     except OSError as e:
         raise FastpplError(f"--prompts {path}: cannot be read ({e.strerror or e}); check the path") from None

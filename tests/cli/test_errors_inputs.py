@@ -139,7 +139,8 @@ def test_a_device_is_refused_where_a_file_is_read(tmp_path, tokenizer_dir, capsy
         _assert_user_error(rc, err, (out / "r.json",), "is a device, not a regular file; ")
 
 
-@pytest.mark.parametrize("where", ["--data", "--data directory member", "compare", "compare --per-doc"])
+@pytest.mark.parametrize("where", ["--data", "--data directory member", "compare", "compare --per-doc",
+                                   "generate --prompts"])
 def test_a_sparse_file_of_nuls_is_refused_before_it_is_read(where, tmp_path, tokenizer_dir, capsys, monkeypatch):
     """2 GiB of NUL bytes (no disk used): binary, not text, refused from its first block; it was read whole
     (and tokenised, on a machine with the memory). Here the limits on what is read are 1 GiB, so that a
@@ -152,8 +153,10 @@ def test_a_sparse_file_of_nuls_is_refused_before_it_is_read(where, tmp_path, tok
     with open(sparse, "wb") as f:
         f.truncate(2 << 30)
     given = sparse.parent if where == "--data directory member" else sparse
-    args = (["compare", str(given)] if where == "compare" else ["compare", "--per-doc", str(given)]
-            if where == "compare --per-doc" else EVAL + ["--data", str(given), "--tokenizer", str(tokenizer_dir)])
+    args = {"compare": ["compare", str(given)], "compare --per-doc": ["compare", "--per-doc", str(given)],
+            "generate --prompts": ["generate", "--model", TINY, "--tokenizer", str(tokenizer_dir), "--device", "cpu",
+                                   "--prompts", str(given)]}.get(
+        where, EVAL + ["--data", str(given), "--tokenizer", str(tokenizer_dir)])
     out = tmp_path / "out"
     out.mkdir()
     rc, err = _main(capsys, _with_json(args, out / "r.json"))
