@@ -2,7 +2,7 @@
 stored) against the workflow of llama.cpp's `llama-perplexity --kl-divergence-base` then `--kl-divergence`,
 re-created with the same models and windows (a first run writes every scored token's log-probabilities to disk as
 fp16, a second run reads them back and computes the divergence), and a single-model `fastppl eval` of the model for
-scale.
+scale (on CUDA also the divergence's chunked path, FASTPPL_FUSED_DIVERGENCE=0, beside its fused kernel).
 
     PYTHONPATH=src python benchmarks/divergence.py                       # GPT-2 124M shape, TinyShakespeare val
     PYTHONPATH=src python benchmarks/divergence.py --model llama-1b --ctx 2048
@@ -40,18 +40,31 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("FASTPPL_SHARED_DATA", ROOT.parent / "shared" / "data"))
 
 
-def fastppl_run(args, reference: bool) -> dict:
-    """One `fastppl eval` in this process: the model alone, or with the reference."""
-    result = evaluate(EvalConfig(
-        model=f"random:{args.model}", data=[args.data], tokenizer=args.tokenizer, split=args.split, ctx=args.ctx,
-        device=args.device, dtype=args.dtype, batch_size=args.batch_size, quiet=True,
-        reference_model=f"random:{args.model}" if reference else None,
-        reference_seed=args.reference_seed if reference else None))
+def fastppl_run(args, reference: bool, fused: bool = True) -> dict:
+    """One `fastppl eval` in this process: the model alone, or with the reference (fused=False: its chunked path,
+    as FASTPPL_FUSED_DIVERGENCE=0 runs it)."""
+    switch = os.environ.pop("FASTPPL_FUSED_DIVERGENCE", None)
+    if not fused:
+        os.environ["FASTPPL_FUSED_DIVERGENCE"] = "0"
+    try:
+        result = _evaluate(args, reference)
+    finally:
+        os.environ.pop("FASTPPL_FUSED_DIVERGENCE", None)
+        if switch is not None:
+            os.environ["FASTPPL_FUSED_DIVERGENCE"] = switch
     divergence = result.divergence or {}
     peak = result.timings.peak_memory_bytes or result.timings.peak_host_memory_bytes
     return {"tokens": result.metrics.tokens_scored, "tokens_per_second": result.timings.tokens_per_second,
             "peak_bytes": peak, "kld_mean": divergence.get("kld_mean"), "stored_bytes": 0,
             "batch_size": result.how_it_ran.batch_size, "weights_bytes": (2 if reference else 1) * weights_bytes(args)}
+
+
+def _evaluate(args, reference: bool):
+    return evaluate(EvalConfig(
+        model=f"random:{args.model}", data=[args.data], tokenizer=args.tokenizer, split=args.split, ctx=args.ctx,
+        device=args.device, dtype=args.dtype, batch_size=args.batch_size, quiet=True,
+        reference_model=f"random:{args.model}" if reference else None,
+        reference_seed=args.reference_seed if reference else None))
 
 
 def weights_bytes(args) -> int:
@@ -158,14 +171,19 @@ def main(argv=None) -> int:
     args.batch_size = args.batch_size if args.batch_size == "auto" else int(args.batch_size)
     # every variant once before any is timed: the first run of a process pays for CUDA's start, cuBLAS's handles
     # and Triton's compiles (the single model, timed first, ran at a tenth of its speed)
+    # on CUDA the divergence runs the fused kernel; its chunked path (FASTPPL_FUSED_DIVERGENCE=0) is timed beside it
+    chunked_too = resolve_device(args.device).type == "cuda"
     for _ in range(1 if args.no_warmup else 2):
         single = fastppl_run(args, reference=False)
         together = fastppl_run(args, reference=True)
+        chunked = fastppl_run(args, reference=True, fused=False) if chunked_too else None
         peer = peer_run(args, together["batch_size"])
     print(f"random:{args.model} against seed {args.reference_seed}, {Path(args.data).name} ({args.split}), "
           f"ctx {args.ctx}, device {resolve_device(args.device)}\n")
-    print(table({"fastppl eval (model alone)": single, "fastppl eval --reference-model": together,
-                 "stored logits (two runs, fp16 on disk)": peer}, single))
+    rows = {"fastppl eval (model alone)": single, "fastppl eval --reference-model": together}
+    if chunked is not None:
+        rows["fastppl eval --reference-model, FASTPPL_FUSED_DIVERGENCE=0"] = chunked
+    print(table({**rows, "stored logits (two runs, fp16 on disk)": peer}, single))
     return 0
 
 

@@ -304,7 +304,10 @@ def figures_of(name: str, output: str) -> list[dict]:
     elif name == "divergence" and tables:
         rows = {r["variant"]: _number(r["tokens/s"]) for r in tables[0]}
         ours = "fastppl eval --reference-model"
-        for peer in ("stored logits (two runs, fp16 on disk)", "fastppl eval (model alone)"):
+        for peer in ("stored logits (two runs, fp16 on disk)", "fastppl eval (model alone)",
+                     "fastppl eval --reference-model, FASTPPL_FUSED_DIVERGENCE=0"):
+            if peer not in rows and "FUSED" in peer:   # CUDA only
+                continue
             add(f"divergence: tokens/s, one pass vs {peer}", f"{rows.get(ours)}", rows.get(ours),
                 f"{rows.get(peer)}", rows.get(peer), False)
     return figures

@@ -253,7 +253,7 @@ def test_the_compiled_step_serves_more_shapes_than_dynamos_recompile_limit():
         for name in saved:
             setattr(dynamo_config, name, 1)
         model = _model("gpt2-tiny")
-        for batch in (1, 2, 3):
+        for batch in (1, 2):   # the second shape is already past the limit of 1
             prompts = _prompts([4] * batch, seed=batch)
             assert generate(model, prompts, 4, eos_id=None, compile=True).tokens == \
                 generate(model, prompts, 4, eos_id=None, compile=False).tokens

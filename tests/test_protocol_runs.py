@@ -83,7 +83,8 @@ def test_gptq_equals_its_eval_loop(tmp_path, hf_model, bos_tokenizer_dir, shakes
 def test_llama_cpp_equals_perplexity_cpp(tmp_path, hf_model, tokenizer_dir, bos_tokenizer_dir, shakespeare, bos):
     tokenizer = bos_tokenizer_dir if bos else tokenizer_dir
     path = tmp_path / "wiki.test.raw"
-    path.write_text(shakespeare.read_text()[:900])
+    text = shakespeare.read_text()
+    path.write_text(text[:450] + " <|endoftext|> " + text[450:900])   # "<|endoftext|>" is text to llama.cpp
     result = run(tokenizer, [path], "llama.cpp", ctx=CTX + 1)
     nlls = reference_nlls(hf_model, llama_cpp_pairs(path.read_text(), AutoTokenizer.from_pretrained(str(tokenizer)),
                                                     CTX + 1))
@@ -92,6 +93,9 @@ def test_llama_cpp_equals_perplexity_cpp(tmp_path, hf_model, tokenizer_dir, bos_
     assert result["tokens_scored"] == len(nlls) and result["ppl"] == pytest.approx(ppl, rel=1e-5)
     assert reported["ppl_plus_minus"] == pytest.approx(plus_minus, rel=1e-4)
     assert reported["line"] == f"Final estimate: PPL = {reported['ppl']:.4f} +/- {reported['ppl_plus_minus']:.5f}"
+    card = result["protocol"]
+    assert card["corpus"] == "one text, as llama-perplexity -f reads it: one final newline dropped"
+    assert "a special token's spelling in the text (such as '<|endoftext|>') is text" in card["tokens"]
 
 
 @pytest.mark.slow

@@ -237,3 +237,24 @@ def test_compiled_cells_on_the_gpu_are_their_separate_runs(models, tmp_path, sha
         alone = evaluate(EvalConfig(model=cell["model"], data=data, ctx=CTX, device="cuda", compile="on",
                                     batching="bucketed", quiet=True)).to_dict()
         assert cell["report"]["compile"].startswith("on") and cell["report"]["nll_sum"] == alone["nll_sum"]
+
+
+def test_model_names_holding_a_pipe_comma_quote_or_line_break_keep_the_tables_shape():
+    import io
+    import re
+
+    from fastppl.report.table import COLUMNS, table_csv, table_text
+    names = ["a|b", 'c,"d"\ne', "f\rg\\|h"]
+    rows = [{"model": name, "corpus": "x, y|z", "status": "ok", "tokens_scored": 10, "nll": 1.5, "ppl": 4.4817,
+             "bits_per_byte": 0.25, "base_ppl": 4.4817, "delta_ppl": 0.0, "delta_ppl_relative": 0.0} for name in names]
+    table = {"models": names, "rows": rows, "base": names[0], "reference_model": None}
+    markdown = table_text(table, markdown=True).split("\n\n")[0].splitlines()
+    assert len(markdown) == 2 + len(names)
+    for line in markdown:   # a cell's pipe is escaped (its backslash too), so each row has as many cells
+        assert len(re.findall(r"(?:\\.|[^\\|])*\|", line)) == len(COLUMNS) + 1, line
+    text = table_text(table).splitlines()
+    assert len(text) == 2 + len(names) + 2 and all(line.startswith(("a|b", 'c,"d"\\ne', "f\\rg\\|h")) for line in
+                                                  text[2:2 + len(names)])
+    read = list(csv.DictReader(io.StringIO(table_csv(table), newline="")))
+    assert [row["model"] for row in read] == names and {row["corpus"] for row in read} == {"x, y|z"}
+    assert float(read[0]["ppl"]) == 4.4817 and read[0]["kld_mean"] == ""

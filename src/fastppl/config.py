@@ -57,8 +57,29 @@ def gguf_local_path(spec: str, flag: str = "--model") -> Path:
         from huggingface_hub import hf_hub_download
         return Path(hf_hub_download(repo, filename))
     except Exception as e:
+        from .errors import Unreachable, is_unreachable
+        if is_unreachable(e):
+            raise Unreachable(f"{spec}: the hub is unreachable ({first_line(e)}); pass {flag} PATH to a local "
+                              ".gguf file") from None
         raise FastpplError(f"{spec}: the hub did not serve {filename} of {repo} ({first_line(e)}); check the "
                            f"repository and file name, or pass {flag} PATH to a local .gguf file") from None
+
+
+LOCAL_GPT2_TOKENIZER = "gpt2-tokenizer"   # the GPT-2 tokenizer's folder in a data directory
+
+
+def data_directories(data_dir: Optional[str]) -> list[str]:
+    """--data-dir, then FASTPPL_DATA_DIR: where built-in corpora (and a GPT-2 tokenizer) are looked for."""
+    return [d for d in (data_dir, os.environ.get("FASTPPL_DATA_DIR")) if d]
+
+
+def local_gpt2_tokenizer(data_dir: Optional[str]) -> Optional[str]:
+    """A data directory's gpt2-tokenizer folder, if one has it (random: presets' tokenizer without the hub)."""
+    for directory in data_directories(data_dir):
+        path = Path(directory) / LOCAL_GPT2_TOKENIZER
+        if (path / "tokenizer.json").is_file() or (path / "vocab.json").is_file():
+            return str(path)
+    return None
 
 
 def cache_dir() -> Path:
@@ -272,7 +293,8 @@ def _check_named_corpora(config: EvalConfig) -> None:
         if named:
             protocols = CORPUS_PROTOCOLS[named[0]]
             raise FastpplError(f"--data {named[0]} is a corpus of --protocol {' or '.join(protocols)}; add "
-                               f"--protocol {protocols[0]}")
+                               f"--protocol {protocols[0]} (it reads its file from --data-dir DIR, else the hub "
+                               "through `datasets`)")
         return
     named = [s for s in config.data if s in CORPUS_PROTOCOLS]
     if named and (config.protocol not in CORPUS_PROTOCOLS[named[0]] or len(config.data) > 1):
@@ -296,7 +318,7 @@ def _check_reference(config: EvalConfig) -> None:
         return
     if config.loss == "fused":
         raise FastpplError("--loss fused does not work with --reference-model (both models' divergence runs its own "
-                           "chunked kernel over every position); drop --loss fused")
+                           "kernel); drop --loss fused")
     if config.kv_cache == "on":
         raise FastpplError("--kv-cache on does not work with --reference-model (both models read the planned "
                            "windows whole, and cached windows read only their new tokens); drop --kv-cache on")

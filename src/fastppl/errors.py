@@ -2,6 +2,7 @@
 import errno
 import os
 import re
+import socket
 import stat
 from typing import Optional
 
@@ -93,3 +94,28 @@ def allocation_gib(error: BaseException) -> Optional[float]:
     unit = (found.group(2) or "bytes").upper().replace("I", "")
     scale = {"BYTES": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40, "PB": 2**50, "EB": 2**60}[unit]
     return float(found.group(1)) * scale / 2**30
+
+
+# the hub's and the HTTP clients' names for "could not get there" (huggingface_hub, httpx, requests, urllib3)
+_UNREACHABLE_NAMES = ("ConnectError", "ConnectionError", "ConnectTimeout", "Timeout", "OfflineModeIsEnabled",
+                      "LocalEntryNotFoundError", "NameResolutionError", "MaxRetryError", "NetworkError")
+
+
+class Unreachable(FastpplError):
+    """A download whose server could not be reached (offline), as opposed to one that answered no."""
+
+
+def is_unreachable(error: BaseException) -> bool:
+    """Whether error, or an error it was raised from, says the network or the server could not be reached."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, (socket.gaierror, socket.timeout, ConnectionError, TimeoutError)):
+            return True
+        if any(name in cls.__name__ for cls in type(error).__mro__ for name in _UNREACHABLE_NAMES):
+            return True
+        if isinstance(getattr(error, "reason", None), BaseException):   # urllib's URLError wraps the socket's
+            error = error.reason
+            continue
+        error = error.__cause__ or error.__context__
+    return False

@@ -7,6 +7,8 @@ mode="reduce-overhead" (Inductor's CUDA graphs). On the CPU everything runs eage
 """
 from __future__ import annotations
 
+import math
+
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -308,9 +310,12 @@ def generation_summary(result: dict) -> str:
     for i, c in enumerate(result["completions"]):
         end = "  [end of text]" if c["finished"] else ""
         lines.append(f"--- {i}: {c['prompt']!r}\n{c['prompt']}{c['completion']}{end}")
+    rate = result["decode_tokens_per_second"]
+    # no timed step (one new token, or the warm-up's alone): no rate to give
+    decode = f"{rate:,.{0 if rate >= 10 else 2}f} tokens/s" if math.isfinite(rate) else "n/a (no decode step timed)"
     lines.append(
         f"speed       time to first token {result['time_to_first_token_seconds'] * 1000:.1f} ms, decode "
-        f"{result['decode_tokens_per_second']:,.0f} tokens/s ({len(result['completions'])} row(s) x "
+        f"{decode} ({len(result['completions'])} row(s) x "
         f"{result['decode_steps']} steps, decode step: {result['decode_step']}, "
         f"{result['environment']['device_name']})")
     return "\n".join(lines)

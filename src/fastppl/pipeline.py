@@ -34,6 +34,7 @@ from .engine.score import DeviceSums, ScoreFn, score_batches, score_plans
 from .errors import FastpplError
 from .models import load_model
 from .models.loading import position_limit_note
+from .offline import explain_offline
 from .reference import (add_divergence, check_reference_fits, check_reference_matches, load_reference,
                         reference_tokenizer, resolve_reference_device)
 from .report.progress import Progress
@@ -46,6 +47,7 @@ from .resume import (NOT_IN_FINGERPRINT, Checkpointer, document_ids_sha256, mode
 
 
 @stop_all_on_failure   # under torchrun: a failing rank makes every rank stop
+@explain_offline   # offline: one line for all that is not local
 def evaluate(config: EvalConfig, reuse: Optional[Reuse] = None) -> EvalResult:
     """One run; `reuse` holds what the runs of a table share (fastppl.reuse), a fresh one by default."""
     started = time.perf_counter()
@@ -61,8 +63,10 @@ def evaluate(config: EvalConfig, reuse: Optional[Reuse] = None) -> EvalResult:
     corpus_key = corpus_identity(config)
     documents, protocol, datasets_read = reuse.corpus(corpus_key, lambda: read_corpus(config))
     run.stage_done("read_corpus")
-    tokenizer_name = config.tokenizer or default_tokenizer_name(config.model)
+    tokenizer_name = config.tokenizer or default_tokenizer_name(config.model, config.data_dir)
     tokenizer = reuse.tokenizer(tokenizer_name, lambda: load_tokenizer(tokenizer_name))
+    if protocol is not None and protocol.specials_as_text:
+        tokenizer = tokenizer.with_specials_as_text()
     run.stage_done("load_tokenizer")
     # tokenizing needs neither the model nor the GPU: it runs beside the weights' loading and the CUDA start
     encoding = InBackground(lambda: encode_once(reuse, corpus_key, documents, tokenizer), "fastppl-tokenize")
@@ -111,7 +115,8 @@ def evaluate(config: EvalConfig, reuse: Optional[Reuse] = None) -> EvalResult:
     # how long compiling took (within scoring) and whether its code came from the cache (accel/compile_cache.py)
     prepared.acceleration.compile_reason += finish_compiled_run(prepared.score_fn, run.stage_seconds)
     result = assemble_result(run, corpus, windows, prepared, scored)
-    return result if reference is None else add_divergence(result, config, scored.sums)
+    return result if reference is None else add_divergence(result, config, scored.sums, corpus.documents,
+                                                                 corpus.tokens, plan)
 
 
 def corpus_identity(config: EvalConfig) -> tuple:
@@ -281,10 +286,12 @@ def resume_fingerprint(run: Run, corpus: Corpus, acceleration: Acceleration, bat
     config, documents, tokenizer = run.config, corpus.documents, corpus.tokenizer
     if not config.resume:
         return None
-    resolved = dict(ctx=ctx, tokenizer=config.tokenizer or default_tokenizer_name(config.model),
+    resolved = dict(ctx=ctx, tokenizer=config.tokenizer or default_tokenizer_name(config.model, config.data_dir),
                     stride=sliding_stride(config.stride, ctx) if config.window == "sliding" else None,
                     batch_size=batches.size, batching=acceleration.batching, device=str(run.device),
                     dtype=str(run.dtype))
+    if config.reference_model:   # the fused kernel's columns and the chunked path's differ in fp32's last digits
+        resolved["divergence"] = acceleration.loss
     return run_fingerprint(
         config.to_dict(), resolved, corpus_sha256=corpus.digest, document_ids_sha256=document_ids_sha256(documents),
         tokenizer_fingerprint=tokenizer.fingerprint, model_files=model_files(config.model), windows=len(plan.refs),

@@ -5,14 +5,14 @@ fastppl.report.divergence the statistics."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 import torch
 import torch.nn as nn
 
 from .config import EvalConfig, gguf_spec
-from .engine.divergence import KLD_COLUMN
+from .engine.divergence import COLUMNS, KLD_COLUMN
 from .engine.precision import resolve_device
 from .engine.score import DeviceSums
 from .data.tokenize import Tokenizer, load_tokenizer, same_tokenizer
@@ -22,6 +22,8 @@ from .models.loading import position_limit_note
 from .report.divergence import divergence_statistics, kld_by_position, kld_histogram
 
 if TYPE_CHECKING:
+    from .data.corpus import Document
+    from .data.streams import WindowPlan
     from .report.result import EvalResult
 
 
@@ -94,20 +96,38 @@ def check_reference_fits(config: EvalConfig, reference: Optional[nn.Module], ctx
                            f"positions{position_limit_note(reference)}; lower --ctx")
 
 
-def add_divergence(result: EvalResult, config: EvalConfig, sums: DeviceSums) -> EvalResult:
-    """The report's "divergence" section (and --per-token's columns) from the merged per-token values."""
-    columns = sums.divergence[:-1].cpu().numpy()                       # (n_tokens, 5), NaN rows unscored
-    scored = columns[~np.isnan(columns[:, 0])]
+def add_divergence(result: EvalResult, config: EvalConfig, sums: DeviceSums, documents: Sequence[Document],
+                   tokens: Sequence[np.ndarray], plan: WindowPlan) -> EvalResult:
+    """The report's "divergence" section (and --per-token's columns) from the merged per-token values: the
+    statistics over the corpus, and with --group-by over each group's documents too."""
+    columns = sums.divergence[:-1].cpu().numpy()                       # (n_tokens, len(COLUMNS)), NaN rows unscored
+    scored = ~np.isnan(columns[:, 0])
     counts = sums.position_count.cpu().numpy()
     result.divergence = {
         "reference_model": config.reference_model,
         "reference_seed": config.seed if config.reference_seed is None else config.reference_seed,
-        **divergence_statistics(scored),
+        **divergence_statistics(columns[scored]),
         # the model's figures as the run's own (its float64 device sums), not re-derived from fp32 per-token values
         "nll": result.metrics.nll, "ppl": result.metrics.ppl,
         "kld_by_position": kld_by_position(sums.position_kld_sum.cpu().numpy(), counts),
-        "kld_histogram": kld_histogram(scored[:, KLD_COLUMN].astype(np.float64)),
+        "kld_histogram": kld_histogram(columns[scored][:, KLD_COLUMN].astype(np.float64)),
+        "per_token_columns": list(COLUMNS),
     }
+    if config.group_by:
+        result.divergence["groups"] = divergence_by_group(columns, scored, documents, tokens, plan)
     if config.per_token:
         result.per_token = columns
     return result
+
+
+def divergence_by_group(columns: np.ndarray, scored: np.ndarray, documents: Sequence[Document],
+                        tokens: Sequence[np.ndarray], plan: WindowPlan) -> dict[str, dict]:
+    """{group: the statistics over its documents' scored tokens}, by group name; groups with none left out."""
+    group_of_token = np.full(len(columns), -1, dtype=np.int64)
+    names = sorted({documents[d].group for d in plan.scored_documents})
+    code = {name: i for i, name in enumerate(names)}
+    for d in plan.scored_documents:
+        offset = plan.streams[d].token_offset
+        group_of_token[offset:offset + len(tokens[d])] = code[documents[d].group]
+    return {name: divergence_statistics(columns[scored & (group_of_token == i)]) for name, i in code.items()
+            if (scored & (group_of_token == i)).any()}

@@ -30,7 +30,8 @@ from .errors import FastpplError
 from .report.files import remove_stale_temporaries, write_atomic
 
 CHECKPOINT_FILE = "checkpoint.npz"
-FORMAT_VERSION = 3   # 2: every DeviceSums field is checkpointed (1 lacked the squared sums); 3: resolved arguments
+FORMAT_VERSION = 4   # 2: every DeviceSums field is checkpointed (1 lacked the squared sums); 3: resolved arguments;
+# 4: a divergence run's per-token columns are engine.divergence.COLUMNS (12; 5 before)
 # EvalConfig fields that do not change what is computed: where results go, how often to checkpoint, and whether
 # products are tuned (a tuned product gives torch's result bit for bit)
 NOT_IN_FINGERPRINT = ("quiet", "resume", "per_doc", "checkpoint_seconds", "checkpoint_batches", "tune_products")

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 from .config import EvalConfig
 from .errors import FastpplError, first_line, is_memory_exhausted
-from .report.table import TABLE_FORMAT, short_names
+from .report.table import DIVERGENCE_FIELDS, TABLE_FORMAT, short_names
 
 
 @dataclass
@@ -132,8 +132,7 @@ def table_rows(cells: list[Cell]) -> list[dict]:
                    delta_ppl=None if base_ppl is None else report["ppl"] - base_ppl,
                    delta_ppl_relative=None if base_ppl is None else report["ppl"] / base_ppl - 1)
         if divergence:
-            row.update(kld_mean=divergence["kld_mean"], kld_p99=divergence["kld_p99"],
-                       same_top1=divergence["same_top1"], delta_p_rms=divergence["delta_p_rms"])
+            row.update({name: divergence.get(name) for name in DIVERGENCE_FIELDS})
         rows.append(row)
     return rows
 

@@ -35,8 +35,10 @@ def test_model_directory_without_a_tokenizer(checkpoint, text, outputs, capsys):
 
 @pytest.mark.parametrize("model, fragment", [
     ("random:gpt3", "unknown model random:gpt3"),
-    ("no-such-model-anywhere", "unknown model 'no-such-model-anywhere'"),
-    ("no-such-org/no-such-model", "unknown model 'no-such-org/no-such-model'"),
+    # offline in the tests: the hub is unreachable, which is not "unknown"
+    ("no-such-model-anywhere", "model 'no-such-model-anywhere': not a local directory, and the hub is unreachable"),
+    ("no-such-org/no-such-model", "model 'no-such-org/no-such-model': not a local directory, and the hub is "
+                                  "unreachable"),
     ("./no/such/dir", "no such model directory"),
 ])
 def test_unknown_model(model, fragment, text, outputs, tokenizer_dir, capsys):
@@ -200,14 +202,19 @@ def test_cuda_without_a_gpu(text, outputs, tokenizer_dir, capsys):
 
 def test_tokenizer_names_a_path_or_a_hub_id(tmp_path, text, outputs, capsys, monkeypatch):
     """a/b/c is a path (no hub); org/name is a hub id, tried once, and its failure is one line at once."""
-    from fastppl.data import tokenize
+    import huggingface_hub
     asked = []
-    monkeypatch.setattr(tokenize, "_hub_tokenizer_dir", lambda name: (asked.append(name), (None, "no network"))[1])
+
+    def unreachable(name, **kwargs):
+        asked.append(name)
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
     _assert_user_error(*_main(capsys, _args(TINY, text, outputs, "models/org/tok")), outputs,
                        "no such tokenizer directory")
     assert asked == []
     _assert_user_error(*_main(capsys, _args(TINY, text, outputs, "org/tok")), outputs,
-                       "not a local directory, and the hub did not serve it (no network)")
+                       "tokenizer 'org/tok': not a local directory, and the hub is unreachable (no network)")
     assert asked == ["org/tok"]
 
 

@@ -80,6 +80,8 @@ def plan_of(name, sources, tokenizer_path, ctx, stride=None, data_dir=None):
     documents, protocol, datasets = read_protocol_corpus(protocol, [str(s) for s in sources], "all",
                                                          protocol.text_field, data_dir and str(data_dir), "strict")
     tokenizer = load_tokenizer(str(tokenizer_path))
+    if protocol.specials_as_text:   # as the pipeline reads the text
+        tokenizer = tokenizer.with_specials_as_text()
     tokens = [tokenizer.encode(d.text) for d in documents]
     plan = plan_corpus(tokens, tokenizer, protocol.window, stride, False, ctx, protocol)
     return plan, documents, tokens, tokenizer, datasets
@@ -137,7 +139,8 @@ def test_gptq_c4_takes_1100_documents_and_256_blocks(tokenizer_dir, data_dir):
 def test_llama_cpp_equals_its_loop(tmp_path, tokenizer_dir, bos_tokenizer_dir, shakespeare, tokenizer, n_ctx):
     path = tokenizer_dir if tokenizer == "gpt2" else bos_tokenizer_dir
     text_path = tmp_path / "wiki.test.raw"
-    text_path.write_text(shakespeare.read_text()[:1500])
+    text = shakespeare.read_text()
+    text_path.write_text(text[:700] + " <|endoftext|> " + text[700:1500])   # llama.cpp reads "<|endoftext|>" as text
     plan, *_ = plan_of("llama.cpp", [text_path], path, n_ctx)
     expected = llama_cpp_pairs(text_path.read_text(), AutoTokenizer.from_pretrained(str(path)), n_ctx)
     assert fastppl_pairs(plan) == expected and len(expected) > 5 * n_ctx
@@ -146,6 +149,16 @@ def test_llama_cpp_equals_its_loop(tmp_path, tokenizer_dir, bos_tokenizer_dir, s
 
 
 @pytest.mark.slow
+def test_llama_cpp_reads_the_file_as_its_f_option_does(tmp_path):
+    """common/arg.cpp's -f: one final "\n" dropped (not a second one, not a "\r"); other protocols keep it."""
+    for text, read in (("a b\n\n", "a b\n"), ("a b\r\n", "a b\r"), ("a b", "a b")):
+        (tmp_path / "text.txt").write_bytes(text.encode())
+        for name, expected in (("llama.cpp", read), ("hf-guide", text)):
+            documents, *_ = read_protocol_corpus(PROTOCOLS[name], [str(tmp_path / "text.txt")], "all", "text", None,
+                                                 "strict")
+            assert [d.text for d in documents] == [expected], (name, text)
+
+
 def test_lm_eval_wikitext_equals_its_task(tmp_path, tokenizer_dir, shakespeare):
     raw = wikitext_raw(shakespeare.read_text())
     pages = [raw[:len(raw) // 3], raw[len(raw) // 3:], ""]

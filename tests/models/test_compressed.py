@@ -98,3 +98,93 @@ def test_unpacking_equals_the_packages_packing():
     for bits in (2, 4, 8):
         values = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (6, 80), dtype=torch.int8)
         assert torch.equal(unpack_int32(pack_to_int32(values, bits), bits, 80), values.int())
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """One checkpoint of each scheme, written once; copy_of(scheme) gives a copy to damage."""
+    import shutil
+    originals = {}
+
+    def copy_of(scheme: str, into):
+        if scheme not in originals:
+            originals[scheme] = tmp_path_factory.mktemp(scheme)
+            _write(originals[scheme], *SCHEMES[scheme])
+        shutil.copytree(originals[scheme], into, dirs_exist_ok=True)
+        return into
+    return copy_of
+
+
+def _lie(directory, weights=None, tensors=None) -> None:
+    """Edit a checkpoint: weights(group weights dict) edits its config group in place; tensors(state dict) its
+    tensors."""
+    from safetensors.torch import load_file, save_file
+    if weights is not None:
+        config = json.loads((directory / "config.json").read_text())
+        weights(config["quantization_config"]["config_groups"]["group_0"]["weights"])
+        (directory / "config.json").write_text(json.dumps(config))
+    if tensors is not None:
+        state = load_file(str(directory / "model.safetensors"))
+        tensors(state)
+        save_file({k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"))
+
+
+DOWN = "model.layers.0.mlp.down_proj"
+
+
+def _set(key, value):
+    return lambda weights: weights.__setitem__(key, value)
+
+
+def _replace(name, change):
+    def edit(state):
+        state[name] = change(state[name])
+    return edit
+
+
+def _drop(suffix):
+    def edit(state):
+        for name in [n for n in state if n.endswith(suffix)]:
+            del state[name]
+    return edit
+
+
+# (scheme, config edit, tensor edit, the tensor the error must name): each scored as another model before
+LIES = {
+    "2 bits on 4-bit words": ("int4-group-symmetric", _set("num_bits", 2), None, "weight_packed"),
+    "1 bit on 4-bit words": ("int4-group-symmetric", _set("num_bits", 1), None, "weight_packed"),
+    "4 bits on 8-bit words": ("int8-channel", _set("num_bits", 4), None, "weight_packed"),
+    "symmetric, with zero points": ("int4-group-asymmetric", _set("symmetric", True), None, "weight_zero_point"),
+    "one zero point deleted": ("int4-group-asymmetric", None, _drop(f"{DOWN}.weight_zero_point"),
+                               "weight_zero_point"),
+    "every zero point deleted": ("int4-group-asymmetric", None, _drop(".weight_zero_point"), "weight_zero_point"),
+    "half the packed words": ("int4-group-symmetric", None, _replace(f"{DOWN}.weight_packed", lambda t: t[:, :8]),
+                              "weight_packed"),
+    "a group too few in the scale": ("int4-group-symmetric", None,
+                                     _replace(f"{DOWN}.weight_scale", lambda t: t[:, :-1]), "weight_scale"),
+    "a scalar scale for groups": ("int4-group-symmetric", None, _replace(f"{DOWN}.weight_scale", lambda t: t[0, 0]),
+                                  "weight_scale"),
+    "a (1, 1) scale for channels": ("int8-channel", None, _replace(f"{DOWN}.weight_scale", lambda t: t[:1]),
+                                    "weight_scale"),
+    "another group size": ("int4-group-symmetric", _set("group_size", 32), None, "weight_scale"),
+    "channels called groups": ("int8-channel", lambda w: w.update(strategy="group", group_size=64), None,
+                               "weight_scale"),
+    "zero points unpacked": ("int4-group-asymmetric", None,
+                             _replace(f"{DOWN}.weight_zero_point", lambda t: torch.zeros(64, 4, dtype=torch.int8)),
+                             "weight_zero_point"),
+    "a float weight_shape": ("int4-group-symmetric", None, _replace(f"{DOWN}.weight_shape", lambda t: t.float()),
+                             "weight_shape"),
+    "a naive weight of int16": ("int8-channel-naive", None, _replace(f"{DOWN}.weight", lambda t: t.to(torch.int16)),
+                                f"{DOWN}.weight"),
+    "fp8 scales per tensor, said per channel": ("fp8-tensor-float", _set("strategy", "channel"), None,
+                                                "weight_scale"),
+}
+
+
+@pytest.mark.parametrize("lie", list(LIES))
+def test_a_checkpoint_whose_tensors_and_config_disagree_is_one_line_naming_the_tensor(lie, written, tmp_path):
+    scheme, weights, tensors, named = LIES[lie]
+    _lie(written(scheme, tmp_path), weights, tensors)
+    with pytest.raises(FastpplError, match=rf"\.{named}|{named} .*scheme") as raised:
+        load_model(str(tmp_path), "native", torch.float32)
+    assert "\n" not in str(raised.value) and "corrupt" in str(raised.value)

@@ -434,6 +434,25 @@ def test_bad_gguf_files_are_one_line_and_exit_2(llama_gguf, tmp_path, capsys):
         assert not (tmp_path / "report.json").exists()
 
 
+def test_a_pre_tokenizer_fastppl_does_not_reproduce_is_refused_and_the_users_tokenizer_used(llama_gguf, tmp_path,
+                                                                                              tiny_tokenizer, capsys):
+    """tokenizer.ggml.pre 'afmoe' (llama.cpp's digits grouped by a rule of its own): one line naming it, else with
+    --tokenizer the run reads that tokenizer."""
+    from fastppl.cli import main
+    path, _ = llama_gguf
+    afmoe = _patched(path, tmp_path / "afmoe.gguf", path.read_bytes().index(b"gpt-2"), b"afmoe")
+    (tmp_path / "text.txt").write_text(TEXT * 3)
+    code = main(["eval", "--model", str(afmoe), "--data", str(tmp_path / "text.txt"), "--device", "cpu", "--quiet",
+                 "--json", str(tmp_path / "report.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("fastppl: error: ") and err.count("\n") == 1, err
+    assert "tokenizer.ggml.pre 'afmoe'" in err and "--tokenizer" in err and not (tmp_path / "report.json").exists()
+    (tmp_path / "tokenizer").mkdir()
+    tiny_tokenizer.save(str(tmp_path / "tokenizer" / "tokenizer.json"))
+    report = _eval(afmoe, tmp_path / "text.txt", tmp_path / "report.json", "--tokenizer", str(tmp_path / "tokenizer"))
+    assert report["tokens_scored"] == 258
+
+
 def test_a_missing_gguf_file_is_one_line(tmp_path):
     with pytest.raises(FastpplError, match="no such file"):
         load_model(str(tmp_path / "absent.gguf"), "auto", torch.float32)
@@ -473,3 +492,58 @@ def test_a_gguf_reference_of_another_tokenizer_is_refused(llama_gguf, tmp_path, 
     assert run(same).divergence["kld_mean"] == pytest.approx(0, abs=1e-9)
     with pytest.raises(FastpplError, match="has a tokenizer of its own that differs from the run's"):
         run(other)
+
+
+def _rewritten(source, destination, metadata: dict):
+    """A copy of a GGUF with metadata {key: (value, GGUFValueType)} set in place of (or beside) its own."""
+    reader = gguf.GGUFReader(str(source))
+    writer = gguf.GGUFWriter(str(destination), reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture" and key not in metadata:
+            writer.add_key_value(key, field.contents(), *field.types[:2])
+    for key, (value, value_type) in metadata.items():
+        writer.add_key_value(key, value, value_type)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
+    _finish(writer)
+    return destination
+
+
+def _tensor_field(content: bytes, tensor: bytes, at: int, value: int, size: int) -> bytes:
+    """content with a field of a tensor's table entry (at bytes after its name: n_dims 0, dims 4, ...) set."""
+    start = content.index(len(tensor).to_bytes(8, "little") + tensor) + 8 + len(tensor) + at
+    return content[:start] + value.to_bytes(size, "little") + content[start + size:]
+
+
+U32, F32_VALUE = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32
+# metadata that lies about the tensors, each built into a model (a hang, a traceback or another model's score) before
+METADATA_LIES = {
+    "a billion blocks": ({"llama.block_count": (10**9, U32)}, "block_count is 1,000,000,000, but the file holds"),
+    "2.5 blocks": ({"llama.block_count": (2.5, F32_VALUE)}, "block_count is 2.5, not a positive whole number"),
+    "no heads": ({"llama.attention.head_count": (0, U32)}, "head_count is 0, not a positive whole number"),
+    "an infinite RoPE base": ({"llama.rope.freq_base": (float("inf"), F32_VALUE)},
+                              "freq_base is inf, not a positive finite number"),
+    "a RoPE scaling of 0": ({"llama.rope.scaling.type": ("linear", gguf.GGUFValueType.STRING),
+                             "llama.rope.scaling.factor": (0.0, F32_VALUE)}, "scaling.factor is 0.0"),
+    "an alignment of 7": ({"general.alignment": (7, U32)}, "general.alignment 7 is no power of two"),
+}
+
+
+@pytest.mark.parametrize("lie", list(METADATA_LIES))
+def test_gguf_metadata_is_checked_against_the_tensors_before_a_model_is_built(lie, llama_gguf, tmp_path):
+    metadata, message = METADATA_LIES[lie]
+    path = _rewritten(llama_gguf[0], tmp_path / "lie.gguf", metadata)
+    with pytest.raises(FastpplError, match=message):
+        load_model(str(path), "native", torch.float32)
+
+
+@pytest.mark.parametrize("at, value, size", [(12, 1, 4), (16, 0, 8), (16, 4, 8)],
+                         ids=["F16 over F32 data", "over the first tensor's data", "unaligned"])
+def test_tensor_data_where_the_table_says_no_tensor_lies_is_one_line(at, value, size, llama_gguf, tmp_path):
+    """Tensors' data lie one after the other in the table's order, as llama.cpp requires: another type or offset
+    makes a tensor overlap or skip data (once scored as another model)."""
+    path = tmp_path / "lie.gguf"
+    # output_norm: F32, one dimension (its type id 12 bytes after its name, its offset 16), not the first tensor
+    path.write_bytes(_tensor_field(llama_gguf[0].read_bytes(), b"output_norm.weight", at, value, size))
+    with pytest.raises(FastpplError, match=r"the data of tensor \S+ starts at byte .* where the tensors before"):
+        load_model(str(path), "native", torch.float32)

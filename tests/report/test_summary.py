@@ -74,3 +74,11 @@ def test_summary_shows_error_bars_bootstrap_and_groups(tmp_path, tokenizer_dir, 
     assert "by source" in out and "(micro average)" in out and "(macro average)" in out
     for source in {r["source"] for r in records}:
         assert f"\n{source} " in out
+
+
+def test_block_protocols_print_no_word_perplexity(report):
+    """A protocol's blocks score part of the text (llama.cpp: the second half of each), while words count all of it."""
+    assert "word ppl    " in summary(report)
+    report.update(window="blocks")
+    lines = summary(report).splitlines()
+    assert "word ppl" not in "\n".join(lines) and lines[8] == f"byte ppl    {report['byte_perplexity']:.6f}"

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from ..data.packing import resolve_batching
-from ..engine.loss import resolve_loss
+from ..engine.loss import fused_loss_available, resolve_loss
 from ..engine.score import ScoreFn, make_score_fn
 from ..errors import FastpplError
 from ..models.attention import varlen_available
@@ -40,6 +40,13 @@ class Acceleration:
 def fused_trunk_enabled() -> bool:
     """The fused Llama trunk is on unless FASTPPL_FUSED_LLAMA_TRUNK=0 (the plain modules, to compare or bisect)."""
     return os.environ.get("FASTPPL_FUSED_LLAMA_TRUNK") != "0"
+
+
+def fused_divergence_enabled(device: torch.device) -> bool:
+    """With --reference-model on CUDA the fused divergence kernel (engine/fused_divergence.py) computes both
+    models' columns, unless FASTPPL_FUSED_DIVERGENCE=0 (the chunked path: to compare, to bisect, or for the top-k
+    overlaps, which only it computes)."""
+    return fused_loss_available(device) and os.environ.get("FASTPPL_FUSED_DIVERGENCE") != "0"
 
 
 def takes_document_ids(model: nn.Module) -> bool:
@@ -131,12 +138,14 @@ def tuned_products(model: nn.Module, tuning: cublaslt.TuningChoice) -> Iterator[
 def divergence_score_fn_for(model: nn.Module, reference: nn.Module, acceleration: Acceleration,
                             batching_setting: str, chunk_rows: int = 8192) -> tuple[Acceleration, ScoreFn]:
     """With --reference-model: the reference gets the model's fusions, the batching one both forwards take, and
-    the scorer of both models' divergence (fastppl.engine.divergence): the torch formula, compiled when the run
-    compiles."""
+    the scorer of both models' divergence (fastppl.engine.divergence): the fused kernel on CUDA
+    (fused_divergence_enabled), else the torch formula; compiled when the run compiles."""
     from ..engine.divergence import make_divergence_score_fn
     device = next(reference.parameters()).device
     reference_fusions = apply_fusions(reference, device, acceleration)
-    acceleration = dataclasses.replace(acceleration, loss="chunked projection, divergence in torch")
+    fused = fused_divergence_enabled(model.lm_head.weight.device)
+    acceleration = dataclasses.replace(acceleration, loss="fused divergence kernel (Triton)" if fused
+                                       else "chunked projection, divergence in torch")
     if acceleration.batching == "packed" and not takes_document_ids(reference):
         if batching_setting == "packed":
             raise FastpplError("--batching packed needs both models' forwards to take document_ids (the native "
@@ -145,7 +154,11 @@ def divergence_score_fn_for(model: nn.Module, reference: nn.Module, acceleration
             "bucketed (auto: the reference model cannot keep packed documents apart)"))
     if reference_fusions.mlp_epilogue != acceleration.mlp_epilogue:   # a report line for the model under test
         acceleration = dataclasses.replace(acceleration, mlp_epilogue=acceleration.mlp_epilogue + " (model only)")
-    score_fn = make_divergence_score_fn(model, reference, chunk_rows)
+    fused_fn = None
+    if fused:
+        from ..engine.fused_divergence import fused_divergence_op as fused_fn
+    score_fn = make_divergence_score_fn(model, reference, chunk_rows, fused_fn)
     if acceleration.compiled:
-        score_fn = compile_score_fn(score_fn, compile_cache.cache_key(model, "divergence", reference))
+        what = "divergence-fused" if fused else "divergence"
+        score_fn = compile_score_fn(score_fn, compile_cache.cache_key(model, what, reference))
     return acceleration, score_fn

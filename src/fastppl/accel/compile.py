@@ -57,8 +57,10 @@ def compile_score_fn(fn, cache_key: Optional[str] = None):
     record = None
     if cache_key is not None:
         record = compile_cache.CompileRecord(cache_key, compile_cache.load_artifacts(cache_key))
+    from ..engine.fused_divergence import register_compiled_op as register_divergence_op
     from ..engine.fused_loss import register_compiled_op
-    register_compiled_op()   # the fused loss as one opaque op inside the graph
+    register_compiled_op()   # the fused loss (and the fused divergence) as one opaque op inside the graph
+    register_divergence_op()
     compiled = torch.compile(fn, dynamic=False)
 
     def compiled_score(*args):

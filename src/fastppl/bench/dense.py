@@ -27,7 +27,7 @@ import torch
 from ..data.batching import Batch
 from ..engine.precision import resolve_device
 from ..errors import FastpplError
-from .timers import matmul_ceiling, peak_bytes, reset_peak, synchronize
+from .timers import matmul_ceiling, peak_bytes, refuse_long_cpu_bench, reset_peak, synchronize
 
 
 @dataclass
@@ -166,6 +166,11 @@ def run_bench(model_spec: str = "random:gpt2", n_tokens: int = 1_048_576, seq_le
         log(f"--tokens {n_tokens:,} runs as {n_rows * seq_len:,}: whole batches of {batch_size} rows of {seq_len}")
     rows = np.random.default_rng(0).integers(0, native.vocab_size, size=(n_rows, seq_len + 1), dtype=np.int64)
     ceiling = matmul_ceiling(device)
+    peer_tokens = (len(rows) * len([p for p in peers if p != "naive"]) + ("naive" in peers) *
+                   max(1, (naive_tokens or n_tokens) // seq_len)) * seq_len
+    refuse_long_cpu_bench(peer_tokens * flops_per_token(native.config, seq_len), device,
+                          "pass fewer --tokens (e.g. --tokens 8192 --seq 128 --batch-size 8), a smaller --model "
+                          "(random:gpt2-tiny) or fewer --peers", ceiling)
     log(f"matmul ceiling: {ceiling / 1e12:.3g} TFLOP/s ({'bf16 8192^3' if device.type == 'cuda' else 'fp32 512^3'})")
     results: list[BenchRow] = []
 

@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from ..engine.precision import resolve_device, resolve_dtype
 from ..errors import FastpplError
-from .timers import synchronize
+from .timers import refuse_long_cpu_bench, synchronize
 
 GENERATE_PEERS = ("fastppl", "hf-static", "hf-dynamic")
 # decode speed targets, on an H200 with random:gpt2: (batch size, min tokens/s, min x hf-static)
@@ -200,6 +200,10 @@ def run_bench_generate(model_spec: str = "random:gpt2", batch_sizes: Sequence[in
     if prompt_tokens + new_tokens > native.max_positions:
         raise FastpplError(f"--prompt-tokens {prompt_tokens} + --new-tokens {new_tokens} exceed the model's "
                            f"{native.max_positions} positions")
+    parameters = sum(p.numel() for p in native.parameters())   # 2 FLOPs each per token, every peer and repeat
+    refuse_long_cpu_bench(2 * parameters * sum(batch_sizes) * (prompt_tokens + new_tokens) * len(peers) * repeats,
+                          device, "pass smaller --batch-sizes and --new-tokens (e.g. --batch-sizes 1,4 --new-tokens "
+                          "16) or a smaller --model (random:gpt2-tiny)")
     hf = None
     if any(p != "fastppl" for p in peers):
         with torch.device(device):              # built (and initialised) where it runs

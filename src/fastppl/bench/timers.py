@@ -41,3 +41,19 @@ def matmul_ceiling(device: torch.device) -> float:
         if i >= 3:
             times.append(time.perf_counter() - t)
     return 2 * n ** 3 / float(np.median(times))
+
+
+CPU_BENCH_MINUTES = 10   # a CPU bench longer than this is refused: it would print nothing for that long
+
+
+def refuse_long_cpu_bench(flops: float, device: torch.device, smaller: str, ceiling: Optional[float] = None) -> None:
+    """On the CPU, a bench whose matmuls alone would take more than CPU_BENCH_MINUTES at this CPU's matmul ceiling
+    (a lower bound of its time) is refused at once, in one line that says how to make it smaller."""
+    if device.type != "cpu":
+        return
+    from ..errors import FastpplError
+    ceiling = ceiling or matmul_ceiling(device)
+    minutes = flops / ceiling / 60
+    if minutes > CPU_BENCH_MINUTES:
+        raise FastpplError(f"this bench is at least {minutes:,.0f} minutes of products on this CPU "
+                           f"({ceiling / 1e9:,.0f} GFLOP/s); {smaller}, or run it on a GPU")

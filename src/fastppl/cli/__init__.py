@@ -53,7 +53,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"fastppl: error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", 2)   # a peer's crash (PeerFailed) is not bad input
     except KeyboardInterrupt:
-        print("fastppl: interrupted", file=sys.stderr)
+        resume = getattr(args, "resume", None)
+        print("fastppl: interrupted" + (f"; run the same command again to go on from the last checkpoint in {resume}"
+                                        if resume else ""), file=sys.stderr)
         return 130
     except (RuntimeError, MemoryError) as e:
         from ..errors import allocation_gib, first_line, is_memory_exhausted

@@ -17,8 +17,8 @@ from typing import Optional
 
 import numpy as np
 
-from ..config import cache_dir
-from ..errors import FastpplError, check_input_file, first_line, is_link_loop, no_such
+from ..config import cache_dir, data_directories
+from ..errors import FastpplError, Unreachable, check_input_file, first_line, is_link_loop, is_unreachable, no_such
 from .hf_datasets import check_texts, load_hf_dataset
 from .jsonl import json_lines
 
@@ -223,7 +223,8 @@ def _download(url: str, dest: Path, expected_sha256: str) -> None:
             raise FastpplError(f"download of {url} does not match its sha256; try again later")
         os.replace(tmp, dest)
     except OSError as e:
-        raise FastpplError(
+        error = Unreachable if is_unreachable(e) else FastpplError
+        raise error(
             f"cannot download {url} ({getattr(e, 'reason', e)}); offline, put the file in a directory "
             "and pass --data-dir DIR (or set FASTPPL_DATA_DIR), or pass --data PATH"
         ) from None
@@ -235,7 +236,7 @@ def _download(url: str, dest: Path, expected_sha256: str) -> None:
 def builtin_path(name: str, data_dir: Optional[str]) -> Path:
     """A verified local copy of a built-in corpus: --data-dir, FASTPPL_DATA_DIR, the cache, else download."""
     corpus = BUILTINS[name]
-    candidates = [d for d in (data_dir, os.environ.get("FASTPPL_DATA_DIR")) if d]
+    candidates = data_directories(data_dir)
     for directory in candidates:
         path = Path(directory) / corpus.filename
         if path.exists():

@@ -7,8 +7,9 @@ that tool's number. Each is a composition of fastppl's windows (fastppl.data.win
     hf-guide          the Hugging Face guide: rows joined by "\\n\\n", tokenized as tokenizer(text) does, sliding
     gptq              GPTQ's datautils + eval loop: rows joined, tokenized as tokenizer(text) does, disjoint
                       blocks of ctx, the tail dropped, each block's first token unscored
-    llama.cpp         llama-perplexity: one text, tokenized with the default BOS, blocks of n_ctx whose first
-                      token becomes BOS, only positions from n_ctx/2 scored, at least 2 blocks
+    llama.cpp         llama-perplexity: one text less one final newline (as -f reads it), tokenized with the default
+                      BOS and special tokens' spellings as text, blocks of n_ctx whose first token becomes BOS, only
+                      positions from n_ctx/2 scored, at least 2 blocks
     lm-eval-wikitext  lm-eval's wikitext task: its detokenizer on each page, rolling windows, words and bytes
                       counted on the original page
 """
@@ -42,6 +43,9 @@ class Protocol:
     min_blocks: int = 1               # blocks: a text of fewer than min_blocks * ctx tokens is refused
     max_blocks: Optional[int] = None  # blocks: at most this many (set by a named corpus)
     detokenize: bool = False          # lm-eval's wikitext detokenizer on the scored text
+    drop_final_newline: bool = False  # one "\n" at the text's end dropped (llama.cpp's -f FILE)
+    specials_as_text: bool = False    # "<|endoftext|>" in the text is text, not the special token (llama.cpp
+                                      # tokenizes without parse_special; a user-defined token is still matched)
 
     @property
     def window(self) -> str:
@@ -61,7 +65,8 @@ PROTOCOLS = {p.name: p for p in (
     Protocol("gptq", "IST-DASLab/gptq datautils.py and the eval loop of llama.py/opt.py", join="\n\n",
              tokenizer_bos=True),
     Protocol("llama.cpp", "llama.cpp tools/perplexity/perplexity.cpp perplexity()", one_text=True,
-             tokenizer_bos=True, bos_each_block=True, score_second_half=True, min_blocks=2),
+             tokenizer_bos=True, bos_each_block=True, score_second_half=True, min_blocks=2, drop_final_newline=True,
+             specials_as_text=True),
     Protocol("lm-eval-wikitext", "lm-evaluation-harness lm_eval/tasks/wikitext", detokenize=True),
 )}
 
@@ -173,6 +178,8 @@ def shape_documents(protocol: Protocol, documents: list[Document], source: str) 
                            f"{len(documents)} documents; pass one text file, such as wiki.test.raw")
     if protocol.detokenize:
         return [dataclasses.replace(d, text=wikitext_detokenize(d.text), counted_text=d.text) for d in documents]
+    if protocol.drop_final_newline:
+        return [dataclasses.replace(d, text=d.text[:-1]) if d.text.endswith("\n") else d for d in documents]
     return documents
 
 

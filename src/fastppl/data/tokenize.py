@@ -1,6 +1,8 @@
 """Tokenizer loading and tokenisation with an on-disk cache of token ids."""
 from __future__ import annotations
 
+import copy
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -8,8 +10,9 @@ from typing import Optional
 
 import numpy as np
 
-from ..config import cache_dir, gguf_spec, is_path_like
-from ..errors import FastpplError, check_directory_members, check_input_file, first_line, is_link_loop, no_such
+from ..config import cache_dir, gguf_spec, is_path_like, local_gpt2_tokenizer
+from ..errors import (FastpplError, Unreachable, check_directory_members, check_input_file, first_line, is_link_loop,
+                      is_unreachable, no_such)
 from . import pieces
 from .pieces import encode_in_pieces, encode_short_texts
 from .token_cache import entry_path, read_entry, text_sha256, warn, write_entry
@@ -57,6 +60,15 @@ class Tokenizer:
         except BaseException as e:   # the Rust side's errors; a panic there is a BaseException (pyo3's)
             raise FastpplError(f"the tokenizer cannot encode a text of {n_chars:,} characters ({first_line(e)}); "
                                "split it into smaller documents (.jsonl, or a directory of files)") from None
+
+    def with_specials_as_text(self) -> Tokenizer:
+        """A copy that reads a special token's spelling in a text ("<|endoftext|>") as text, as llama.cpp tokenizes
+        without parse_special (a user-defined, not special, added token is still matched); its own fingerprint keeps
+        the token cache's entries apart."""
+        backend = copy.deepcopy(self.backend)
+        backend.encode_special_tokens = True
+        fingerprint = hashlib.sha256(f"{self.fingerprint} specials as text".encode()).hexdigest()[:16]
+        return dataclasses.replace(self, backend=backend, fingerprint=fingerprint)
 
     def decode(self, ids) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -231,14 +243,17 @@ TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "vocab.txt", "*.model", "*.tiktoken", "config.json"]
 
 
-def _hub_tokenizer_dir(repo_id: str) -> tuple[Optional[Path], str]:
-    """(the tokenizer files of a hub model, downloaded once into the Hugging Face cache or found there
-    offline, ""), or (None, the hub's reason in one line) when it does not serve them."""
+def _hub_tokenizer_dir(repo_id: str) -> Path:
+    """The tokenizer files of a hub model, downloaded once into the Hugging Face cache or found there offline."""
     try:
         from huggingface_hub import snapshot_download
-        return Path(snapshot_download(repo_id, allow_patterns=TOKENIZER_FILES)), ""
-    except Exception as e:   # offline, unknown repo, gated: all one answer here
-        return None, first_line(e)
+        return Path(snapshot_download(repo_id, allow_patterns=TOKENIZER_FILES))
+    except Exception as e:   # transformers would only try the hub again, with slow retries
+        if is_unreachable(e):
+            raise Unreachable(f"tokenizer {repo_id!r}: not a local directory, and the hub is unreachable "
+                              f"({first_line(e)}); pass --tokenizer DIR, a local tokenizer directory") from None
+        raise FastpplError(f"unknown tokenizer {repo_id!r}: not a local directory, and the hub did not serve it "
+                           f"({first_line(e)}); pass --tokenizer DIR, a local tokenizer directory") from None
 
 
 def load_tokenizer(name_or_path: str, offline_hint: str = "") -> Tokenizer:
@@ -254,12 +269,7 @@ def load_tokenizer(name_or_path: str, offline_hint: str = "") -> Tokenizer:
     if (is_path_like(name_or_path) or is_link_loop(directory)) and not directory.exists():
         raise FastpplError(f"{name_or_path}: {no_such(directory, 'tokenizer directory')}; check --tokenizer")
     if not directory.exists():
-        hub_directory, reason = _hub_tokenizer_dir(name_or_path)
-        if hub_directory is None:   # transformers would only try the hub again, with slow retries
-            raise FastpplError(f"unknown tokenizer {name_or_path!r}: not a local directory, and the hub did not "
-                               f"serve it ({reason}); pass --tokenizer PATH to a local tokenizer directory"
-                               f"{offline_hint}")
-        directory = hub_directory
+        directory = _hub_tokenizer_dir(name_or_path)
     check_directory_members(directory, "remove it from the tokenizer directory, or check --tokenizer")
     if (directory / "tokenizer.json").is_file():
         fast = _load_tokenizer_json(directory, name_or_path)
@@ -342,6 +352,9 @@ def check_ids_in_vocabulary(ids: np.ndarray, vocab_size: int, tokenizer_name: st
                            f"{vocab_size:,}; pass the model's own tokenizer with --tokenizer")
 
 
-def default_tokenizer_name(model_spec: str) -> str:
-    # random weights have no tokenizer of their own; every preset's vocabulary holds GPT-2's
-    return "gpt2" if model_spec.startswith("random:") else model_spec
+def default_tokenizer_name(model_spec: str, data_dir: Optional[str] = None) -> str:
+    """The model's own; random weights have none, and every preset's vocabulary holds GPT-2's: a data directory's
+    gpt2-tokenizer folder (--data-dir, FASTPPL_DATA_DIR) where one has it, else the hub's gpt2."""
+    if model_spec.startswith("random:"):
+        return local_gpt2_tokenizer(data_dir) or "gpt2"
+    return model_spec

@@ -7,6 +7,7 @@ model.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -66,20 +67,60 @@ def open_gguf(spec: str) -> GGUFCheckpoint:
     if architecture not in ARCHITECTURES:
         raise FastpplError(f"{path}: GGUF architecture {architecture!r} is not one fastppl runs "
                            f"({', '.join(ARCHITECTURES)}); run the model's Hugging Face checkpoint with --backend hf")
-    size = path.stat().st_size
-    tensors = {}
+    tensors = _tensors(path, infos, meta.get("general.alignment", 32))
+    check_metadata(meta, architecture, tensors, path)
+    hf_config = (_gpt2_config if architecture == "gpt2" else _llama_config)(meta, architecture, tensors, path)
+    return GGUFCheckpoint(path, architecture, hf_config, _index(path, architecture, tensors, hf_config))
+
+
+def _tensors(path: Path, infos: list[GGUFTensorInfo], alignment: int) -> dict[str, tuple]:
+    """{name: (info, type name, bytes)}, each tensor's data checked to lie where the table says, as llama.cpp checks
+    it: one after the other in the table's order, each at the next multiple of the alignment, within the file. A
+    type or shape that lies about the size of the data is so caught where the next tensor begins."""
+    size, tensors, expected = path.stat().st_size, {}, 0
     for info in infos:
         type_name = supported_type(info.type_id, info.name, str(path))
         try:
             n_bytes = stored_bytes(type_name, info.shape)
         except ValueError as e:
             raise FastpplError(f"{path}: tensor {info.name}: {e}; the file is corrupt") from None
+        if info.data_offset != expected:
+            raise FastpplError(f"{path}: the data of tensor {info.name} starts at byte {info.data_offset:,} of the "
+                               f"data section, not at {expected:,}, where the tensors before it end; the file is "
+                               "corrupt")
         if info.offset + n_bytes > size:
             raise FastpplError(f"{path}: the data of tensor {info.name} runs past the end of the file; the file is "
                                "truncated, download it again")
         tensors[info.name] = (info, type_name, n_bytes)
-    hf_config = (_gpt2_config if architecture == "gpt2" else _llama_config)(meta, architecture, tensors, path)
-    return GGUFCheckpoint(path, architecture, hf_config, _index(path, architecture, tensors, hf_config))
+        expected += -(-n_bytes // alignment) * alignment
+    return tensors
+
+
+# the metadata sizes and factors a model is built from: a size of 0 (a division by it) or of a billion blocks
+# (looped over) is refused before any model is built
+_SIZES = ("block_count", "embedding_length", "feed_forward_length", "context_length", "attention.head_count",
+          "attention.head_count_kv", "attention.key_length", "rope.dimension_count")
+_FACTORS = ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "rope.freq_base", "rope.scaling.factor")
+
+
+def check_metadata(meta: dict, architecture: str, tensors: dict, path: Path) -> None:
+    """Each size a positive integer, each factor a positive finite number, and block_count the blocks whose tensors
+    the file holds."""
+    for name in _SIZES + _FACTORS:
+        key, value = f"{architecture}.{name}", meta.get(f"{architecture}.{name}")
+        if value is None:
+            continue
+        if name in _SIZES and (type(value) is not int or value < 1):
+            raise FastpplError(f"{path}: GGUF metadata {key} is {value!r}, not a positive whole number; the file is "
+                               "corrupt")
+        if name in _FACTORS and (type(value) not in (int, float) or not 0 < value < math.inf):
+            raise FastpplError(f"{path}: GGUF metadata {key} is {value!r}, not a positive finite number; the file is "
+                               "corrupt")
+    blocks = 1 + max((int(m.group(1)) for name in tensors if (m := _BLOCK.match(name))), default=-1)
+    count = meta.get(f"{architecture}.block_count")
+    if count is not None and count != blocks:
+        raise FastpplError(f"{path}: GGUF metadata {architecture}.block_count is {count:,}, but the file holds the "
+                           f"tensors of {blocks} blocks; the file is corrupt or its metadata is another model's")
 
 
 def _need(meta: dict, key: str, path: Path):

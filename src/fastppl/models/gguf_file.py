@@ -25,6 +25,7 @@ class GGUFTensorInfo:
     shape: tuple[int, ...]   # torch's order: outermost first
     type_id: int             # a GGMLQuantizationType
     offset: int              # in the file
+    data_offset: int         # in the data section, as the table gives it
 
 
 class _Truncated(Exception):
@@ -107,17 +108,21 @@ def _parse(data, path: Path, keep_string_arrays) -> tuple[dict, list[GGUFTensorI
     metadata = {}
     for _ in range(n_metadata):
         key = cursor.string()
+        if key in metadata:   # llama.cpp refuses a file with two: which one holds is not defined
+            raise ValueError(f"metadata key {key} appears twice")
         metadata[key] = cursor.value(cursor.unpack("<I"), key in keep_string_arrays)
-    entries = []
+    entries = {}
     for _ in range(n_tensors):
         name, n_dims = cursor.string(), cursor.unpack("<I")
         if n_dims > _MAX_DIMS:
             raise ValueError(f"tensor {name} has {n_dims} dimensions")
+        if name in entries:
+            raise ValueError(f"tensor {name} appears twice")
         dims = [cursor.unpack("<Q") for _ in range(n_dims)]
-        entries.append((name, tuple(reversed(dims)), cursor.unpack("<I"), cursor.unpack("<Q")))
+        entries[name] = (tuple(reversed(dims)), cursor.unpack("<I"), cursor.unpack("<Q"))
     alignment = metadata.get("general.alignment", 32)
-    if not isinstance(alignment, int) or alignment <= 0:
-        raise ValueError(f"general.alignment {alignment!r}")
+    if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):   # a power of two, as llama.cpp
+        raise ValueError(f"general.alignment {alignment!r} is no power of two")
     data_start = -(-cursor.pos // alignment) * alignment
-    return metadata, [GGUFTensorInfo(name, shape, type_id, data_start + offset)
-                      for name, shape, type_id, offset in entries]
+    return metadata, [GGUFTensorInfo(name, shape, type_id, data_start + offset, offset)
+                      for name, (shape, type_id, offset) in entries.items()]

@@ -12,7 +12,8 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from ..config import gguf_spec, is_path_like
-from ..errors import FastpplError, check_directory_members, first_line, is_link_loop, no_such
+from ..errors import (FastpplError, Unreachable, check_directory_members, first_line, is_link_loop, is_unreachable,
+                      no_such)
 from .compressed import compressed_index, is_compressed_tensors
 from .gguf import load_hf_gguf, open_gguf
 from .gpt2 import GPT2, PRESETS
@@ -97,11 +98,12 @@ def resolve_checkpoint_dir(spec: str) -> Path:
         from .hub import hub_patterns   # one weight format, the config and the tokenizer files
         return Path(snapshot_download(spec, allow_patterns=hub_patterns(spec)))
     except Exception as e:
-        reason = first_line(e)
-        raise FastpplError(
-            f"unknown model {spec!r}: not a local directory, and the hub did not serve it ({reason}); "
-            f"offline, pass --model PATH to a checkpoint directory, or random:gpt2 for random weights"
-        ) from None
+        how = f"({first_line(e)}); offline, pass --model PATH to a checkpoint directory, or random:gpt2 for random " \
+              "weights"
+        if is_unreachable(e):
+            raise Unreachable(f"model {spec!r}: not a local directory, and the hub is unreachable {how}") from None
+        raise FastpplError(f"unknown model {spec!r}: not a local directory, and the hub did not serve it {how}") \
+            from None
 
 
 def _read_config(directory: Path) -> dict:

@@ -11,9 +11,13 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-KLD_PERCENTILES = (50.0, 90.0, 95.0, 99.0, 99.9)
+# llama.cpp's --kl-divergence prints these percentiles of KLD and of Δp (tools/perplexity/perplexity.cpp)
+KLD_PERCENTILES = (0.1, 1.0, 5.0, 10.0, 50.0, 90.0, 95.0, 99.0, 99.9)
 DELTA_P_PERCENTILES = (0.1, 1.0, 5.0, 10.0, 25.0, 50.0, 75.0, 90.0, 95.0, 99.0, 99.9)
+REVERSE_KLD_PERCENTILES = (50.0, 99.0)
 HISTOGRAM_BINS = 60
+# KLD by the reference's confidence: buckets of its top-1 probability, [0, 0.1), ..., [0.9, 1]
+CONFIDENCE_EDGES = tuple(i / 10 for i in range(11))
 
 
 def _mean_and_error(values: np.ndarray) -> tuple[float, float]:
@@ -30,32 +34,91 @@ def _percentiles(values: np.ndarray, percents: Sequence[float]) -> dict[str, flo
     return {f"p{p:g}": float(v) for p, v in zip(percents, found)}
 
 
+def _spread(name: str, values: np.ndarray, percents: Sequence[float]) -> dict[str, float]:
+    """{name_mean, name_mean_error, name_p..., name_median, name_min, name_max}."""
+    mean, error = _mean_and_error(values)
+    return {f"{name}_mean": mean, f"{name}_mean_error": error,
+            **{f"{name}_{p}": v for p, v in _percentiles(values, percents).items()},
+            f"{name}_median": float(np.median(values)), f"{name}_min": float(values.min()),
+            f"{name}_max": float(values.max())}
+
+
 def divergence_statistics(columns: np.ndarray) -> dict:
-    """columns: (n, 5) the scored tokens' (nll, reference_nll, kld, same_top1, delta_p), n >= 1. Returns the
-    report's divergence fields (every value a float, computed in float64)."""
-    nll, reference_nll, kld, same_top1, delta_p = columns.astype(np.float64).T
-    kld_mean, kld_error = _mean_and_error(kld)
-    same_mean, same_error = _mean_and_error(same_top1)
-    delta_p_mean, delta_p_error = _mean_and_error(delta_p)
-    # ln(PPL(model) / PPL(reference)) is the mean of the tokens' NLL differences: its error is theirs, and the
-    # ratio's follows from exp's derivative (the ratio times the log's error)
+    """columns: (n, len(COLUMNS)) the scored tokens' per-token values (fastppl.engine.divergence.COLUMNS), n >= 1.
+    Returns the report's divergence fields (every value a float, computed in float64); a column the run did not
+    compute (NaN throughout: the top-k overlaps of the fused kernel) gives None."""
+    from ..engine.divergence import COLUMNS, TOP_K   # here: a summary's lines need no torch
+    c = {name: columns[:, i].astype(np.float64) for i, name in enumerate(COLUMNS)}
+    return {"tokens": int(len(columns)), **_perplexities(c["nll"], c["reference_nll"]),
+            **_spread("kld", c["kld"], KLD_PERCENTILES),
+            **_spread("reverse_kld", c["reverse_kld"], REVERSE_KLD_PERCENTILES),
+            **_shares(c, TOP_K), **_delta_p(c["delta_p"]),
+            "entropy_mean": float(c["entropy"].mean()), "reference_entropy_mean": float(c["reference_entropy"].mean()),
+            "target_rank_median": float(np.median(c["target_rank"])),
+            "kld_by_confidence": kld_by_confidence(c["kld"], c["reference_top1_p"])}
+
+
+def _perplexities(nll: np.ndarray, reference_nll: np.ndarray) -> dict:
+    """Both models' perplexity, their ratio and difference, and the correlation of the tokens' NLL, as llama.cpp's
+    "Perplexity statistics": PPL ± PPL · se(NLL); ln(PPL(B)/PPL(A)) ± sqrt(se_B² + se_A² - 2 cov), with
+    cov = (Σ ab / n - mean a · mean b) / (n - 1), which is the standard error of the tokens' NLL differences (how
+    it is computed); the ratio ± the ratio times that; the difference ± sqrt(se(PPL_B)² + se(PPL_A)² - 2 PPL_B
+    PPL_A cov); Cor(ln PPL(B), ln PPL(A)) = cov / (se_B se_A), Pearson's r of the tokens' NLL. Its error (llama.cpp
+    gives none) is Fisher's: (1 - r²) / sqrt(n - 3)."""
+    n = len(nll)
+    (nll_mean, nll_error), (reference_mean, reference_error) = _mean_and_error(nll), _mean_and_error(reference_nll)
     log_ratio, log_ratio_error = _mean_and_error(nll - reference_nll)
-    ratio = math.exp(log_ratio)
-    return {
-        "tokens": int(len(kld)),
-        "ppl": math.exp(nll.mean()), "reference_ppl": math.exp(reference_nll.mean()),
-        "nll": float(nll.mean()), "reference_nll": float(reference_nll.mean()),
-        "ppl_ratio": ratio, "ppl_ratio_error": ratio * log_ratio_error,
-        "ln_ppl_ratio": log_ratio, "ln_ppl_ratio_error": log_ratio_error,
-        "kld_mean": kld_mean, "kld_mean_error": kld_error,
-        **{f"kld_{name}": value for name, value in _percentiles(kld, KLD_PERCENTILES).items()},
-        "kld_median": float(np.median(kld)), "kld_min": float(kld.min()), "kld_max": float(kld.max()),
-        "same_top1": same_mean, "same_top1_error": same_error,
-        "delta_p_mean": delta_p_mean, "delta_p_mean_error": delta_p_error,
-        "delta_p_rms": float(np.sqrt(np.mean(delta_p * delta_p))),
-        **{f"delta_p_{name}": value for name, value in _percentiles(delta_p, DELTA_P_PERCENTILES).items()},
-        "delta_p_min": float(delta_p.min()), "delta_p_max": float(delta_p.max()),
-    }
+    ratio, ppl, reference_ppl = math.exp(log_ratio), math.exp(nll_mean), math.exp(reference_mean)
+    covariance = float(np.mean((nll - nll_mean) * (reference_nll - reference_mean))) / (n - 1) if n > 1 else math.nan
+    with np.errstate(invalid="ignore", divide="ignore"):
+        correlation = float(np.float64(covariance) / (nll_error * reference_error))
+    ppl_error, reference_ppl_error = ppl * nll_error, reference_ppl * reference_error
+    difference_variance = ppl_error ** 2 + reference_ppl_error ** 2 - 2 * ppl * reference_ppl * covariance
+    return {"ppl": ppl, "ppl_error": ppl_error,
+            "reference_ppl": reference_ppl, "reference_ppl_error": reference_ppl_error,
+            "nll": nll_mean, "reference_nll": reference_mean,
+            "ppl_ratio": ratio, "ppl_ratio_error": ratio * log_ratio_error,
+            "ln_ppl_ratio": log_ratio, "ln_ppl_ratio_error": log_ratio_error,
+            "ppl_difference": ppl - reference_ppl, "ppl_difference_error": math.sqrt(max(difference_variance, 0.0)),
+            "ln_ppl_correlation": correlation,
+            "ln_ppl_correlation_error": (1 - correlation ** 2) / math.sqrt(n - 3) if n > 3 else math.nan}
+
+
+def _shares(c: dict, top_k: Sequence[int]) -> dict:
+    """Same top-1 (llama.cpp's "Same top p", whose error sqrt(p (1 - p) / (n - 1)) is the standard error of the
+    tokens' 0/1 values), the top-k overlaps, and the share of targets that are the model's top-1."""
+    out = {}
+    for name in ("same_top1", *(f"top{k}_overlap" for k in top_k)):
+        if np.isnan(c[name]).all():
+            out[name], out[f"{name}_error"] = None, None
+        else:
+            out[name], out[f"{name}_error"] = _mean_and_error(c[name])
+    out["target_top1"] = float(np.mean(c["target_rank"] == 0))
+    return out
+
+
+def _delta_p(delta_p: np.ndarray) -> dict:
+    """Δp's mean ± error, percentiles, min and max, and its RMS ± llama.cpp's error: 0.5 / RMS · se(Δp²)."""
+    rms = float(np.sqrt(np.mean(delta_p * delta_p)))
+    _, square_error = _mean_and_error(delta_p * delta_p)
+    return {**_spread("delta_p", delta_p, DELTA_P_PERCENTILES),
+            "delta_p_rms": rms, "delta_p_rms_error": 0.5 / rms * square_error if rms > 0 else math.nan}
+
+
+def kld_by_confidence(kld: np.ndarray, reference_top1_p: np.ndarray) -> list[dict]:
+    """The tokens in buckets of the reference's top-1 probability (CONFIDENCE_EDGES, the last one closed): each
+    bucket's token count, mean KLD (None where empty) and share of the total KLD. A loss spread evenly keeps the
+    mean flat across buckets; one in the tail shows in the confident buckets."""
+    bucket = np.clip(np.searchsorted(CONFIDENCE_EDGES, reference_top1_p, side="right") - 1, 0,
+                     len(CONFIDENCE_EDGES) - 2)
+    total = float(kld.sum())
+    rows = []
+    for i, (low, high) in enumerate(zip(CONFIDENCE_EDGES, CONFIDENCE_EDGES[1:])):
+        inside = kld[bucket == i]
+        rows.append({"low": low, "high": high, "tokens": int(inside.size),
+                     "kld_mean": float(inside.mean()) if inside.size else None,
+                     "kld_share": float(inside.sum()) / total if total > 0 else None})
+    return rows
 
 
 def kld_histogram(kld: np.ndarray, bins: int = HISTOGRAM_BINS) -> dict:
@@ -80,15 +143,26 @@ def divergence_lines(d: dict) -> list[str]:
     """The summary's lines of a divergence run (printed after the model's own)."""
     def kld(name: str) -> str:
         return f"{d[f'kld_{name}']:.6g}"
+
+    def share(name: str) -> str:
+        return "n/a" if d.get(name) is None else f"{100 * d[name]:.3f} ± {100 * d[f'{name}_error']:.3f} %"
+    confident = " ".join(f"{b['low']:.1f}-{b['high']:.1f}: "
+                         f"{'n/a' if b['kld_mean'] is None else format(b['kld_mean'], '.4g')}"
+                         for b in d["kld_by_confidence"])
     return [
         f"reference   {d['reference_model']}  ppl {d['reference_ppl']:.4f}  ppl ratio {d['ppl_ratio']:.6f} "
-        f"± {d['ppl_ratio_error']:.6f}  ln(ppl/ref ppl) {d['ln_ppl_ratio']:.6f} ± {d['ln_ppl_ratio_error']:.6f}",
+        f"± {d['ppl_ratio_error']:.6f}  ln(ppl/ref ppl) {d['ln_ppl_ratio']:.6f} ± {d['ln_ppl_ratio_error']:.6f}  "
+        f"cor(ln ppl) {100 * d['ln_ppl_correlation']:.2f} %",
         f"kld         mean {d['kld_mean']:.6g} ± {d['kld_mean_error']:.2g}  median {kld('median')}  p90 {kld('p90')}  "
         f"p95 {kld('p95')}  p99 {kld('p99')}  p99.9 {kld('p99.9')}  max {kld('max')}",
-        f"same top-1  {100 * d['same_top1']:.3f} ± {100 * d['same_top1_error']:.3f} %",
+        f"reverse kld mean {d['reverse_kld_mean']:.6g} ± {d['reverse_kld_mean_error']:.2g}  "
+        f"p99 {d['reverse_kld_p99']:.6g}  max {d['reverse_kld_max']:.6g}",
+        f"kld by the reference's top-1 probability  {confident}",
+        f"same top-1  {share('same_top1')}  top-5 overlap {share('top5_overlap')}  "
+        f"top-10 overlap {share('top10_overlap')}",
         f"delta p     mean {100 * d['delta_p_mean']:.4g} ± {100 * d['delta_p_mean_error']:.2g} %  "
-        f"rms {100 * d['delta_p_rms']:.4g} %  p1 {100 * d['delta_p_p1']:.4g} %  median {100 * d['delta_p_p50']:.4g} %  "
-        f"p99 {100 * d['delta_p_p99']:.4g} %",
+        f"rms {100 * d['delta_p_rms']:.4g} ± {100 * d['delta_p_rms_error']:.2g} %  p1 {100 * d['delta_p_p1']:.4g} %  "
+        f"median {100 * d['delta_p_p50']:.4g} %  p99 {100 * d['delta_p_p99']:.4g} %",
     ]
 
 

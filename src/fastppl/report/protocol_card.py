@@ -28,6 +28,8 @@ def _token(tokenizer: Tokenizer, token_id: Optional[int]) -> str:
 
 def _corpus(protocol: Optional[Protocol]) -> str:
     if protocol is None or protocol.join is None and not protocol.detokenize:
+        if protocol is not None and protocol.drop_final_newline:
+            return "one text, as llama-perplexity -f reads it: one final newline dropped"
         return "one text, as read" if protocol and protocol.one_text else "each document scored on its own"
     if protocol.detokenize:
         return ("each page rewritten by lm-eval's wikitext detokenizer and scored on its own; words and bytes "
@@ -57,6 +59,8 @@ def _bos(config, protocol: Optional[Protocol], tokenizer: Tokenizer) -> tuple[st
         prefix = tokenizer.default_prefix()
         tokens = "as tokenizer(text) does by default: " + (
             "no special token added" if prefix is None else f"{_token(tokenizer, prefix)} before the text")
+        if protocol.specials_as_text:
+            tokens += "; a special token's spelling in the text (such as '<|endoftext|>') is text, as llama.cpp has it"
         if prefix is None:
             return tokens, "none: the tokenizer adds no BOS, so the first token is never a target"
         if protocol.bos_each_block:

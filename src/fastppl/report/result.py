@@ -172,7 +172,7 @@ class EvalResult(Mapping):
     protocol: dict                        # report.protocol_card.protocol_card
     world_size: Optional[int] = None      # under torchrun
     divergence: Optional[dict] = None     # --reference-model (fastppl.reference.add_divergence)
-    # (n_tokens,) float32 NLL, NaN where unscored; with a reference model (n_tokens, 5): engine.divergence.COLUMNS
+    # (n_tokens,) float32 NLL, NaN where unscored; with a reference model (n_tokens, 12): engine.divergence.COLUMNS
     per_token: Optional[np.ndarray] = field(default=None, repr=False)
     per_doc: Optional[list[dict]] = field(default=None, repr=False)   # {"id", "tokens", "bytes", "words", "nll_sum"}
 

@@ -18,6 +18,13 @@ def _bytes(n) -> str:
     return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
 
 
+def _word_and_byte_ppl(result: dict) -> str:
+    byte_ppl = _figure(result["byte_perplexity"], ".6f")
+    if result["window"] == "blocks":   # a protocol's blocks score part of the text, and words count all of it
+        return f"byte ppl    {byte_ppl}"
+    return f"word ppl    {_figure(result['word_perplexity'], '.4f')}  ({result['words']:,} words)   byte ppl {byte_ppl}"
+
+
 def summary(result: dict) -> str:
     cfg = result["config"]
     window = f"{result['window']} ctx={result['ctx']}" + (
@@ -40,8 +47,7 @@ def summary(result: dict) -> str:
         f"perplexity  {_figure(result['ppl'], '.4f')}{_plus_minus(result.get('ppl_stderr'), '.4f')}",
         f"bits/byte   {_figure(result['bits_per_byte'], '.6f')}"
         f"{_plus_minus(result.get('bits_per_byte_stderr'), '.6f')}",
-        f"word ppl    {_figure(result['word_perplexity'], '.4f')}  ({result['words']:,} words)   "
-        f"byte ppl {_figure(result['byte_perplexity'], '.6f')}",
+        _word_and_byte_ppl(result),
         f"speed       {_figure(result['tokens_per_second'], ',.0f')} tokens/s  ({result['wall_seconds']:.2f} s wall, "
         f"compile {result['compile']}, peak {_bytes(result['peak_memory_bytes'])})",
     ]

@@ -6,7 +6,7 @@ import io
 import math
 from pathlib import Path
 
-from .tables import format_table
+from .tables import format_table, one_line
 
 TABLE_FORMAT = "fastppl-table/1"   # the "format" of a table's --json (fastppl.table), which fastppl compare reads
 
@@ -14,11 +14,18 @@ TABLE_FORMAT = "fastppl-table/1"   # the "format" of a table's --json (fastppl.t
 COLUMNS = (
     ("model", "model", "s"), ("corpus", "corpus", "s"), ("tokens", "tokens_scored", ","),
     ("PPL", "ppl", ".4f"), ("ΔPPL", "delta_ppl", "+.4f"), ("ΔPPL %", "delta_ppl_relative", "+.3%"),
-    ("bits/byte", "bits_per_byte", ".6f"), ("KLD mean", "kld_mean", ".6f"), ("KLD p99", "kld_p99", ".6f"),
-    ("same top-1", "same_top1", ".3%"),
+    ("bits/byte", "bits_per_byte", ".6f"), ("KLD mean", "kld_mean", ".6f"), ("KLD median", "kld_median", ".6f"),
+    ("KLD p99", "kld_p99", ".6f"), ("KLD max", "kld_max", ".4f"), ("rev. KLD", "reverse_kld_mean", ".6f"),
+    ("same top-1", "same_top1", ".3%"), ("top-5 overlap", "top5_overlap", ".3%"), ("Δp RMS", "delta_p_rms", ".3%"),
+    ("PPL ratio", "ppl_ratio", ".6f"),
 )
+# a divergence's statistics that a table's rows carry (fastppl.table.table_rows), by their report names
+DIVERGENCE_FIELDS = ("kld_mean", "kld_mean_error", "kld_median", "kld_p90", "kld_p99", "kld_p99.9", "kld_max",
+                     "reverse_kld_mean", "same_top1", "same_top1_error", "top5_overlap", "top10_overlap",
+                     "delta_p_mean", "delta_p_rms", "delta_p_rms_error", "ppl_ratio", "ppl_ratio_error",
+                     "ln_ppl_ratio", "ln_ppl_ratio_error", "ln_ppl_correlation")
 CSV_COLUMNS = ("model", "corpus", "status", "tokens_scored", "nll", "ppl", "base_ppl", "delta_ppl",
-               "delta_ppl_relative", "bits_per_byte", "kld_mean", "kld_p99", "same_top1", "delta_p_rms", "error")
+               "delta_ppl_relative", "bits_per_byte", *DIVERGENCE_FIELDS, "error")
 
 
 def short_names(specs: list[str]) -> list[str]:
@@ -44,26 +51,28 @@ def table_text(table: dict, markdown: bool = False) -> str:
             continue
         is_base = row.get("is_base", False)
         shown = {**row, "model": names[row["model"]]}
-        rows.append([_cell(shown.get(key), spec) if not (is_base and key.startswith(("kld", "same"))) else "base"
+        rows.append([_cell(shown.get(key), spec) if not (is_base and key in DIVERGENCE_FIELDS) else "base"
                      for _, key, spec in COLUMNS])
     right = [spec != "s" for _, _, spec in COLUMNS]
     lines = [format_table([header for header, _, _ in COLUMNS], rows, markdown, right), ""]
     base = dict(zip(table["models"], short_names(table["models"]))).get(table["base"], table["base"])
-    against = f"ΔPPL against {base} on the same corpus"
+    against = f"ΔPPL against {one_line(base)} on the same corpus"
     if table.get("reference_model"):
-        against += "; KLD (nats/token) and same top-1 against it, on the same windows"
+        against += "; KLD (nats/token), same top-1, top-5 overlap, Δp and PPL ratio against it, on the same windows"
     lines.append(against + "; n/a where the base's tokens differ or its cell failed.")
     if failed:
         lines.append("")
-        lines += [f"- failed: {names[row['model']]} on {row['corpus']}: {row['error']}" for row in failed]
+        lines += [f"- failed: {one_line(names[row['model']])} on {one_line(row['corpus'])}: {one_line(row['error'])}"
+                  for row in failed]
     return "\n".join(lines)
 
 
 def table_csv(table: dict) -> str:
     out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\n")
+    # every text quoted: a name may hold a comma, a quote, a newline or a lone carriage return, which the minimal
+    # quoting of Python 3.11 leaves bare; numbers as repr writes them
+    writer = csv.writer(out, lineterminator="\n", quoting=csv.QUOTE_NONNUMERIC)
     writer.writerow(CSV_COLUMNS)
     for row in table["rows"]:
-        writer.writerow(["" if row.get(k) is None else repr(row[k]) if isinstance(row[k], float) else row[k]
-                         for k in CSV_COLUMNS])
+        writer.writerow(["" if row.get(k) is None else row[k] for k in CSV_COLUMNS])
     return out.getvalue()
