@@ -14,6 +14,8 @@ DTYPES = ("auto", "fp32", "bf16", "fp16")
 BACKENDS = ("auto", "native", "hf")
 BATCHING_SETTINGS = ("auto", "packed", "bucketed", "padded")
 MIN_BOOTSTRAP = 100
+# more resamples move the interval's ends by less than their own sampling error, and hold more memory
+MAX_BOOTSTRAP = 1_000_000
 DEFAULT_CHECKPOINT_SECONDS = 60.0
 # --protocol NAME and the windows it fixes (fastppl.data.protocols holds the rest of each)
 PROTOCOL_WINDOWS = {"lm-eval-rolling": "chunked", "hf-guide": "sliding", "gptq": "blocks", "llama.cpp": "blocks",
@@ -46,13 +48,11 @@ def gguf_spec(spec: str) -> Optional[tuple[Optional[str], str]]:
 def gguf_local_path(spec: str, flag: str = "--model") -> Path:
     """The local file a GGUF spec names (gguf_spec): the file itself, or owner/repo:FILE.gguf downloaded once into
     the Hugging Face cache; `flag` is the option the error names."""
-    from .errors import first_line, no_such
+    from .errors import check_input_file, first_line
     repo, filename = gguf_spec(spec)
     if repo is None:
-        path = Path(filename).expanduser()
-        if not path.is_file():
-            raise FastpplError(f"{spec}: {no_such(path)}; check {flag}")
-        return path
+        check_input_file(filename, f"check {flag}")
+        return Path(filename).expanduser()
     try:
         from huggingface_hub import hf_hub_download
         return Path(hf_hub_download(repo, filename))
@@ -227,6 +227,9 @@ def _check_numbers(config: EvalConfig) -> None:
     if config.bootstrap != 0 and not (isinstance(config.bootstrap, int) and config.bootstrap >= MIN_BOOTSTRAP):
         # fewer resamples put the 2.5 % and 97.5 % percentiles on a handful of values
         raise FastpplError(f"--bootstrap must be 0 (off) or at least {MIN_BOOTSTRAP}, got {config.bootstrap}")
+    if config.bootstrap > MAX_BOOTSTRAP:
+        raise FastpplError(f"--bootstrap must be at most {MAX_BOOTSTRAP:,}, got {config.bootstrap:,}; 10,000 "
+                           "resamples give the interval's ends to about 1 % of its width")
 
 
 def _check_names(config: EvalConfig) -> None:

@@ -3,6 +3,7 @@ import errno
 import os
 import re
 import socket
+import stat
 from typing import Optional
 
 
@@ -40,6 +41,45 @@ def is_link_loop(path) -> bool:
 def no_such(path, what: str = "file") -> str:
     """Why path is not there, for a one-line error: "no such file", or that it is a loop of symbolic links."""
     return f"is a loop of symbolic links, not a {what}" if is_link_loop(path) else f"no such {what}"
+
+
+def _not_regular(mode: int) -> str:
+    """What a file that is not a regular file is, for a one-line error."""
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    return "a socket" if stat.S_ISSOCK(mode) else "a device"
+
+
+def check_input_file(path, fix: str) -> None:
+    """Refuses, in one line naming path and ending in `fix`, an input that is missing or not a regular file
+    (before anything opens it): open() of a FIFO waits for a writer that may never come, and a device or a
+    socket has no end to read to."""
+    try:
+        mode = os.stat(os.path.expanduser(path)).st_mode
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            raise FastpplError(f"{path}: {no_such(path)}; {fix}") from None
+        raise FastpplError(f"{path}: cannot be read ({e.strerror or e}); {fix}") from None
+    if not stat.S_ISREG(mode):
+        raise FastpplError(f"{path}: is {_not_regular(mode)}, not a regular file; {fix}")
+
+
+def check_directory_members(directory, fix: str) -> None:
+    """Refuses a FIFO, device or socket directly inside `directory` (a checkpoint's or a tokenizer's), which a
+    loader, fastppl's or transformers', might open and wait on; links are followed, to what they lead to."""
+    try:
+        entries = list(os.scandir(os.path.expanduser(directory)))
+    except OSError:
+        return   # the loader's own check names an unreadable directory
+    for entry in entries:
+        try:
+            mode = os.stat(entry.path).st_mode
+        except OSError:   # a broken link: refused by whoever needs the file, ignored otherwise
+            continue
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise FastpplError(f"{entry.path}: is {_not_regular(mode)}, not a regular file; {fix}")
 
 
 _ALLOCATION = re.compile(r"allocate\s+(\d+(?:\.\d+)?)\s*(bytes|[KMGTPE]i?B)?", re.IGNORECASE)

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from .decode import (Sampling, aligned_lm_head, compiled_decode_one_token, decode_one_token, left_pad,
                      prefill)
-from .errors import FastpplError
+from .errors import FastpplError, check_input_file
 from .models.kv_cache import ensure_kv_cache, supports_kv_cache
 from .models.loading import position_limit_note
 
@@ -242,7 +242,12 @@ def read_prompts(path: str) -> list[str]:
     """One prompt per line; blank lines are skipped; a literal \\n inside a line stands for a newline."""
     if not path.strip():
         raise FastpplError("--prompts: empty path; give the file of prompts")
+    check_input_file(path, "check --prompts, which takes a text file of one prompt per line")
     try:
+        with open(path, "rb") as f:   # a binary file (a sparse one of zeros) is refused before it is read whole
+            if b"\0" in f.read(1 << 16):
+                raise FastpplError(f"--prompts {path}: holds a NUL byte, so it is binary, not text; save the prompts "
+                                   "as UTF-8 text, one a line")
         lines = open(path, encoding="utf-8-sig").read().splitlines()   # -sig: a byte-order mark is not text
     except OSError as e:
         raise FastpplError(f"--prompts {path}: cannot be read ({e.strerror or e}); check the path") from None

@@ -41,7 +41,7 @@ from .report.progress import Progress
 from .report.result import EvalResult, assemble_result
 from .reuse import Reuse
 from .stages import Batches, Corpus, Prepared, Run, Scored, Windows
-from .report.stats import needs_token_sums
+from .report.stats import bootstrap_unit_count, check_bootstrap_work, needs_token_sums
 from .resume import (NOT_IN_FINGERPRINT, Checkpointer, document_ids_sha256, model_files, run_fingerprint,
                      weights_digest)
 
@@ -87,6 +87,8 @@ def evaluate(config: EvalConfig, reuse: Optional[Reuse] = None) -> EvalResult:
     run.stage_seconds["tokenize"] = encoding.seconds   # on its own thread, beside load_model and this wait
     run.stage_done("wait_for_tokenize")
     plan = plan_corpus(tokens, tokenizer, config.window, config.stride, config.bos, ctx, protocol)
+    if config.bootstrap:   # before scoring: a bootstrap that cannot finish is refused now, not after the run
+        check_bootstrap_work(config.bootstrap, *bootstrap_unit_count(plan))
     corpus = Corpus(documents, tokens, tokenizer, corpus_sha256(documents), protocol, datasets_read)
     windows = Windows(plan, ctx, use_kv_cache, kv_cache_reason)
     run.stage_started = time.perf_counter()    # planning is no stage of its own: "prepare" starts here

@@ -3,8 +3,6 @@ big entries memory-mapped), ids checked against the model's vocabulary, and inpu
 memory: one line, exit 2."""
 import hashlib
 import json
-import os
-import threading
 
 import numpy as np
 import pytest
@@ -163,21 +161,6 @@ def test_a_file_too_large_for_memory_is_one_line(tokenizer_dir, tmp_path, capsys
     data.write_text("word " * 10_000)
     monkeypatch.setattr(corpus, "available_memory_bytes", lambda: 8 * 20_000)   # a 20,000-byte limit
     _one_line_error(capsys, _eval(tokenizer_dir, data, tmp_path), "big.txt", "too large", "split it")
-    pipe = tmp_path / "pipe"   # a stream of no known size is read to the limit, then refused
-    os.mkfifo(pipe)
-
-    def feed():
-        with open(pipe, "wb") as f:
-            try:
-                f.write(b"word " * 10_000)
-            except BrokenPipeError:   # the reader stops at the limit
-                pass
-    writer = threading.Thread(target=feed)
-    writer.start()
-    try:
-        _one_line_error(capsys, _eval(tokenizer_dir, pipe, tmp_path), "too large")
-    finally:
-        writer.join()
 
 
 def test_a_failure_inside_the_tokenizer_is_one_line(gpt2, monkeypatch):

@@ -57,8 +57,8 @@ def test_a_device_is_refused_before_it_is_read(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "fastppl", "compare", good, "/dev/zero"], capture_output=True,
                           text=True, env=env, timeout=120, preexec_fn=_limited_memory)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
-    assert proc.stderr == ("fastppl: error: /dev/zero: is a device, not a file; pass the JSON report written by "
-                           "fastppl eval --json\n")
+    assert proc.stderr == ("fastppl: error: /dev/zero: is a device, not a regular file; pass the JSON report "
+                           "written by fastppl eval --json\n")
 
 
 def test_a_file_larger_than_any_report_is_refused(tmp_path, capsys, monkeypatch):

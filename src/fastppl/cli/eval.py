@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from ..config import MIN_BOOTSTRAP, PROTOCOL_WINDOWS
-from ..errors import FastpplError, no_such
+from ..errors import FastpplError, check_input_file, no_such
 from .args import DEVICE_HELP, FLAG_OFF, MODEL_HELP, TOKENIZER_HELP, at_least, batch_size, check_model_given, seed
 
 DESCRIPTION = ("NLL, perplexity and bits per byte of a model over a corpus. "
@@ -191,6 +192,10 @@ def check_outputs(args: argparse.Namespace) -> None:
 def run_eval(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc < 1:
         raise FastpplError(f"--nproc must be at least 1, got {args.nproc}")
+    cores = os.cpu_count() or 1   # a rank per GPU, or per core on the CPU: more could only wait on each other
+    if args.nproc is not None and args.nproc > cores:
+        raise FastpplError(f"--nproc {args.nproc:,} is more processes than this machine's {cores} CPU cores; "
+                           "use one per GPU (or at most one per core)")
     if is_table(args):
         return run_table(args)
     if args.nproc is not None and args.nproc != 1:
@@ -260,15 +265,19 @@ def _check_and_relaunch(args: argparse.Namespace) -> int:
 
 
 def check_data_paths(args: argparse.Namespace) -> None:
-    """Each local --data or --corpus path exists (checked before a run that would otherwise fail later, or once
-    per cell of a table)."""
+    """Each local --data or --corpus path exists, and is a directory or a regular file (checked before a run that
+    would otherwise fail later, or once per cell of a table)."""
     from ..data.corpus import BUILTINS
     from ..data.protocols import CORPORA
     for spec in args.data or args.corpus:
-        if spec not in BUILTINS and spec not in CORPORA and not spec.startswith("hf:") \
-                and not Path(spec).expanduser().exists():
-            flag = "--data" if args.data else "--corpus"
+        if spec in BUILTINS or spec in CORPORA or spec.startswith("hf:"):
+            continue
+        flag = "--data" if args.data else "--corpus"
+        path = Path(spec).expanduser()
+        if not path.exists():
             raise FastpplError(f"{spec}: {no_such(spec)}; check the {flag} path")
+        if not path.is_dir():
+            check_input_file(spec, f"{flag} takes a .txt, .jsonl or .npy file, or a directory of documents")
 
 
 def _relaunch(args: argparse.Namespace) -> int:

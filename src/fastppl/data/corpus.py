@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shutil
-import stat
 import tempfile
 import urllib.request
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from typing import Optional
 import numpy as np
 
 from ..config import cache_dir, data_directories
-from ..errors import FastpplError, Unreachable, first_line, is_link_loop, is_unreachable, no_such
+from ..errors import FastpplError, Unreachable, check_input_file, first_line, is_link_loop, is_unreachable, no_such
 from .hf_datasets import check_texts, load_hf_dataset
 from .jsonl import json_lines
 
@@ -165,40 +164,43 @@ def _too_large(path: Path, n_bytes: int, limit: int) -> FastpplError:
                         f"(up to {limit:,} bytes here); split it into smaller files or a .jsonl of documents")
 
 
-def _read_up_to(f, n_bytes: int) -> bytes:
-    """At most n_bytes of a stream without a size (a pipe), a block at a time."""
-    blocks, total = [], 0
-    while total < n_bytes:
-        block = f.read(min(1 << 20, n_bytes - total))
-        if not block:
-            break
-        blocks.append(block)
-        total += len(block)
-    return b"".join(blocks)
+# NUL is no character of any text: a file holding one is binary (or a sparse file of zeros), refused before it is
+# read whole; its first block tells at once for most such files
+FIRST_BLOCK = 1 << 16
+
+
+def _binary(path: Path, offset: int) -> FastpplError:
+    return FastpplError(f"{path}: holds a NUL byte (at byte {offset:,}), so it is binary, not text; pass a UTF-8 "
+                        "text file (.txt or .jsonl), or a .npy of token ids")
 
 
 def read_bytes(path: Path) -> bytes:
-    """A file's bytes, refused (one line) when it cannot be held and tokenised in memory, or is a device."""
+    """A regular file's bytes, refused (one line) when it holds a NUL byte (binary), or cannot be held and
+    tokenised in memory."""
     if not path.exists():
         raise FastpplError(f"{path}: {no_such(path)}; check the --data path")
     if path.is_dir():
         raise FastpplError(f"{path}: is a directory; pass a .txt or .jsonl file")
+    check_input_file(path, "pass a .txt or .jsonl file")
     available = available_memory_bytes()
     limit = available // MEMORY_PER_FILE_BYTE if available else None
     try:
         with open(path, "rb") as f:
-            mode = os.fstat(f.fileno())
-            if stat.S_ISCHR(mode.st_mode) or stat.S_ISBLK(mode.st_mode):   # /dev/zero, /dev/urandom: no end
-                raise FastpplError(f"{path}: is a device, not a file; pass a .txt or .jsonl file")
-            if limit is not None and stat.S_ISREG(mode.st_mode) and mode.st_size > limit:
-                raise _too_large(path, mode.st_size, limit)
-            raw = f.read() if limit is None or stat.S_ISREG(mode.st_mode) else _read_up_to(f, limit + 1)
+            first = f.read(FIRST_BLOCK)
+            if b"\0" in first:
+                raise _binary(path, first.index(b"\0"))
+            size = os.fstat(f.fileno()).st_size
+            if limit is not None and size > limit:
+                raise _too_large(path, size, limit)
+            raw = first + f.read()
     except MemoryError:
         raise _too_large(path, path.stat().st_size, limit or 0) from None
     except OSError as e:
         raise FastpplError(f"{path}: cannot be read ({e.strerror or first_line(e)})") from None
-    if limit is not None and len(raw) > limit:
+    if limit is not None and len(raw) > limit:   # grown since it was measured
         raise _too_large(path, len(raw), limit)
+    if b"\0" in raw:
+        raise _binary(path, raw.index(b"\0"))
     return raw
 
 
@@ -281,6 +283,7 @@ def token_id_document(path: Path) -> Document:
     """A .npy file of token ids (1-D, integers, made by the model's tokenizer) as one document."""
     if not path.exists():
         raise FastpplError(f"{path}: {no_such(path)}; check the --data path")
+    check_input_file(path, "pass a .npy file saved by numpy.save")
     try:
         ids = np.load(path, allow_pickle=False)
     except (OSError, ValueError):
@@ -313,6 +316,9 @@ def directory_documents(directory: Path, errors: str = "strict") -> list[Documen
     if broken:   # not skipped in silence: a document the user meant to score would be missing
         what = "a loop of symbolic links" if is_link_loop(broken[0]) else "a link to nothing"
         raise FastpplError(f"{path_id(broken[0])}: {what}; remove it or point it at a file")
+    for member in visible:   # a FIFO, device or socket: refused, as a file that cannot be read would be
+        if not member.is_dir():
+            check_input_file(member, f"remove it from {directory}, which holds one document per file")
     files = sorted((p for p in visible if p.is_file()), key=lambda p: p.relative_to(directory).as_posix())
     if not files:
         raise FastpplError(f"{directory}: holds no files; put one text file per document in it")

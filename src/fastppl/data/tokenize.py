@@ -11,7 +11,8 @@ from typing import Optional
 import numpy as np
 
 from ..config import cache_dir, gguf_spec, is_path_like, local_gpt2_tokenizer
-from ..errors import FastpplError, Unreachable, first_line, is_link_loop, is_unreachable, no_such
+from ..errors import (FastpplError, Unreachable, check_directory_members, check_input_file, first_line, is_link_loop,
+                      is_unreachable, no_such)
 from . import pieces
 from .pieces import encode_in_pieces, encode_short_texts
 from .token_cache import entry_path, read_entry, text_sha256, warn, write_entry
@@ -263,10 +264,13 @@ def load_tokenizer(name_or_path: str, offline_hint: str = "") -> Tokenizer:
     if directory.is_file():
         raise FastpplError(f"{name_or_path}: is a file; --tokenizer takes a tokenizer directory (tokenizer.json, "
                            "or vocab.json + merges.txt)")
+    if directory.exists() and not directory.is_dir():   # a FIFO, a device: refused as not a regular file
+        check_input_file(directory, "--tokenizer takes a tokenizer directory")
     if (is_path_like(name_or_path) or is_link_loop(directory)) and not directory.exists():
         raise FastpplError(f"{name_or_path}: {no_such(directory, 'tokenizer directory')}; check --tokenizer")
     if not directory.exists():
         directory = _hub_tokenizer_dir(name_or_path)
+    check_directory_members(directory, "remove it from the tokenizer directory, or check --tokenizer")
     if (directory / "tokenizer.json").is_file():
         fast = _load_tokenizer_json(directory, name_or_path)
         if fast is not None:

@@ -12,7 +12,8 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from ..config import gguf_spec, is_path_like
-from ..errors import FastpplError, Unreachable, first_line, is_link_loop, is_unreachable, no_such
+from ..errors import (FastpplError, Unreachable, check_directory_members, first_line, is_link_loop, is_unreachable,
+                      no_such)
 from .compressed import compressed_index, is_compressed_tensors
 from .gguf import load_hf_gguf, open_gguf
 from .gpt2 import GPT2, PRESETS
@@ -73,6 +74,7 @@ def local_checkpoint_dir(spec: str, flag: str = "--model") -> Optional[Path]:
     """The directory --model (or flag) names, or None for a hub id; a file, or a path to nothing, is an error."""
     path = Path(spec).expanduser()
     if path.is_dir():
+        check_directory_members(path, f"remove it from the checkpoint directory, or check {flag}")
         return path
     if gguf_spec(spec):   # a GGUF file (fastppl.models.gguf): a local one's header checked now, before its tokenizer
         if gguf_spec(spec)[0] is None:

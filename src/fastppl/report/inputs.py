@@ -3,31 +3,30 @@ fields of a report that compare reads, each of a type it can use."""
 from __future__ import annotations
 
 import os
-import stat
 from pathlib import Path
 from typing import Optional
 
-from ..errors import FastpplError, no_such
+from ..config import MAX_BOOTSTRAP
+from ..errors import FastpplError, check_input_file
 
 # far beyond any report or per-document file fastppl writes (a million documents' lines are ~200 MB)
 MAX_INPUT_BYTES = 2 << 30
 
 
 def read_text(path: str, what: str) -> str:
-    """A report's or per-document file's text: a regular file or a pipe of at most MAX_INPUT_BYTES, not a
-    device (/dev/zero never ends)."""
-    file = Path(path)
-    if not file.exists():
-        raise FastpplError(f"{path}: {no_such(path)}; pass the {what}")
-    if file.is_dir():
+    """A report's or per-document file's text: a regular file of at most MAX_INPUT_BYTES."""
+    if Path(path).is_dir():
         raise FastpplError(f"{path}: is a directory; pass the {what}")
+    check_input_file(path, f"pass the {what}")
     try:
-        with open(file, "rb") as f:
-            mode = os.fstat(f.fileno()).st_mode
-            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-                raise FastpplError(f"{path}: is a device, not a file; pass the {what}")
-            raw = f.read(MAX_INPUT_BYTES + 1)
-        if len(raw) > MAX_INPUT_BYTES:
+        with open(path, "rb") as f:
+            raw = f.read(1 << 16)   # a binary file (a sparse one of zeros) is refused before it is read whole
+            size = os.fstat(f.fileno()).st_size
+            if b"\0" not in raw and size <= MAX_INPUT_BYTES:
+                raw += f.read()
+        if b"\0" in raw:
+            raise FastpplError(f"{path}: holds a NUL byte, so it is binary, not the {what}")
+        if size > MAX_INPUT_BYTES:
             raise FastpplError(f"{path}: is larger than {MAX_INPUT_BYTES >> 30} GiB, more than fastppl writes; "
                                f"pass the {what}")
         return raw.decode("utf-8")
@@ -63,7 +62,7 @@ _FIELD_TYPES = {
 # eval --bootstrap's settings and the units it resampled, which compare resamples again for paired differences
 _BOOTSTRAP_TYPES = {
     "level": lambda v: isinstance(v, float) and 0 < v < 1,
-    "replicates": lambda v: is_count(v) and v > 0, "seed": is_count,
+    "replicates": lambda v: is_count(v) and 0 < v <= MAX_BOOTSTRAP, "seed": is_count,
     "resampled": lambda v: isinstance(v, dict) and v.get("kind") in ("document", "window"),
 }
 _RESAMPLED_TYPES = {"index": is_count, "nll_sum": is_number, "tokens": lambda v: is_count(v) and v > 0,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ..errors import FastpplError
-from .stats import Units, bits_per_byte, nll_per_token, paired_difference
+from .stats import Units, bits_per_byte, check_bootstrap_work, nll_per_token, paired_difference
 from .tables import format_table
 
 
@@ -50,6 +50,7 @@ def paired_table(runs: Sequence, markdown: bool = False) -> Optional[str]:
     if len(runs) < 2 or base is None:
         return None
     boot = first.result["bootstrap"]
+    check_bootstrap_work(boot["replicates"], len(base.index), base.kind, f"{first.path}: its bootstrap of")
     rows = []
     for run in runs[1:]:
         other = resampled_units(run)

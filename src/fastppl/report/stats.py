@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import numpy as np
 
+from ..config import MIN_BOOTSTRAP
+from ..errors import FastpplError
 from .metrics import perplexity
 
 if TYPE_CHECKING:   # compare reads reports with this module and needs no torch
@@ -31,6 +33,8 @@ if TYPE_CHECKING:   # compare reads reports with this module and needs no torch
 LEVEL = 0.95
 # index draws held in memory at once: resamples are drawn in blocks of about this many
 DRAW_BLOCK = 1 << 22
+# index draws of one bootstrap at most (resamples x units): 20 to 50 million a second on one core
+MAX_DRAWS = 10**9
 
 
 def mean_standard_error(nll_sum: float, nll_sq_sum: float, n: int) -> float:
@@ -189,6 +193,24 @@ def paired_difference(first: Units, other: Units, statistic: Callable[[Units, np
         n_lower += int(np.count_nonzero(delta < 0))
     return {"difference": estimate, "interval": deltas.interval(), "lower_share": n_lower / replicates,
             "units": len(shared), "unit": first.kind, "replicates": replicates, "seed": seed}
+
+
+def check_bootstrap_work(replicates: int, n_units: int, unit: str, flag: str = "--bootstrap") -> None:
+    """Refuses a bootstrap of more than MAX_DRAWS draws (a minute or more), naming the most resamples that fit."""
+    if replicates * n_units <= MAX_DRAWS:
+        return
+    fits = MAX_DRAWS // n_units
+    advice = (f"use --bootstrap {fits:,} or fewer" if fits >= MIN_BOOTSTRAP else
+              "drop --bootstrap (the standard error is reported without it)")
+    raise FastpplError(f"{flag} {replicates:,} over {n_units:,} {unit}s would draw {replicates * n_units:,} units, "
+                       f"more than the {MAX_DRAWS:,} of one run (about a minute); {advice}")
+
+
+def bootstrap_unit_count(plan: WindowPlan) -> tuple[int, str]:
+    """How many units a bootstrap of this plan resamples, and their kind (bootstrap_units)."""
+    if len(plan.scored_documents) > 1:
+        return len(plan.scored_documents), "document"
+    return sum(1 for r in plan.refs if r.window.n_scored > 0), "window"
 
 
 def needs_token_sums(bootstrap_replicates: int, plan: WindowPlan) -> bool:
