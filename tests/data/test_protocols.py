@@ -249,6 +249,9 @@ def test_corpus_errors(tmp_path, tokenizer_dir, data_dir):
     (tmp_path / "c4-validation.00000-of-00008.json.gz").write_bytes(b"cut short")
     with pytest.raises(FastpplError, match="is not a whole gzip file"):
         plan_of("gptq", ["c4"], tokenizer_dir, 16, data_dir=tmp_path)
+    (tmp_path / "c4-validation.00000-of-00008.json.gz").write_bytes(gzip.compress(b'{"text": "a\\u0000"}\n\0'))
+    with pytest.raises(FastpplError, match="holds a NUL byte once decompressed"):
+        plan_of("gptq", ["c4"], tokenizer_dir, 16, data_dir=tmp_path)
     with pytest.raises(FastpplError, match="no wiki.test.raw in"):
         plan_of("gptq", ["wikitext2"], tokenizer_dir, 16, data_dir=tmp_path)
     with pytest.raises(FastpplError, match="--data c4 is a corpus of --protocol gptq, read alone"):
@@ -269,3 +272,13 @@ def test_presets_of_todays_windows_are_those_windows(tmp_path, tokenizer_dir, sh
         preset, *_ = plan_of(name, [path], tokenizer_dir, 20, stride=stride)
         plain = plan_corpus(tokens, tokenizer, window, stride, False, 20)
         assert preset.refs == plain.refs and fastppl_pairs(preset) == fastppl_pairs(plain)
+
+
+def test_a_gzipped_shard_is_read_though_its_compressed_bytes_hold_nul(tmp_path):
+    """gzip's header holds NUL bytes: the binary-file refusal applies to the text once decompressed, not to the
+    compressed file."""
+    shard = "".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(3))
+    (tmp_path / "c4-validation.00000-of-00008.json.gz").write_bytes(gzip.compress(shard.encode()))
+    documents, _, datasets = read_protocol_corpus(PROTOCOLS["gptq"], ["c4"], "all", "text", str(tmp_path), "strict")
+    assert [d.text for d in documents] == ["line 0 line 1 line 2"]   # gptq joins c4's rows with " "
+    assert datasets[0]["rows"] == 3

@@ -174,9 +174,9 @@ def _binary(path: Path, offset: int) -> FastpplError:
                         "text file (.txt or .jsonl), or a .npy of token ids")
 
 
-def read_bytes(path: Path) -> bytes:
-    """A regular file's bytes, refused (one line) when it holds a NUL byte (binary), or cannot be held and
-    tokenised in memory."""
+def read_bytes(path: Path, text: bool = True) -> bytes:
+    """A regular file's bytes, refused (one line) when it cannot be held and tokenised in memory, or, for a text
+    file (not a compressed one: text=False), when it holds a NUL byte (binary)."""
     if not path.exists():
         raise FastpplError(f"{path}: {no_such(path)}; check the --data path")
     if path.is_dir():
@@ -187,7 +187,7 @@ def read_bytes(path: Path) -> bytes:
     try:
         with open(path, "rb") as f:
             first = f.read(FIRST_BLOCK)
-            if b"\0" in first:
+            if text and b"\0" in first:
                 raise _binary(path, first.index(b"\0"))
             size = os.fstat(f.fileno()).st_size
             if limit is not None and size > limit:
@@ -199,7 +199,7 @@ def read_bytes(path: Path) -> bytes:
         raise FastpplError(f"{path}: cannot be read ({e.strerror or first_line(e)})") from None
     if limit is not None and len(raw) > limit:   # grown since it was measured
         raise _too_large(path, len(raw), limit)
-    if b"\0" in raw:
+    if text and b"\0" in raw:
         raise _binary(path, raw.index(b"\0"))
     return raw
 

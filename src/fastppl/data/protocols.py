@@ -124,12 +124,16 @@ def read_named_corpus(name: str, data_dir: Optional[str], errors: str) -> tuple[
                                  corpus.data_files)
         rows = rows[:corpus.max_rows]
         return rows, {**record, "revision": revision, "read_from": "datasets", "rows": len(rows)}
-    raw = read_bytes(path)
-    if path.suffix == ".gz":
+    compressed = path.suffix == ".gz"
+    raw = read_bytes(path, text=not compressed)
+    if compressed:
         try:
             raw = gzip.decompress(raw)
         except (OSError, EOFError):   # not gzip, or cut short
             raise FastpplError(f"{path}: is not a whole gzip file; download it again") from None
+        if b"\0" in raw:
+            raise FastpplError(f"{path}: holds a NUL byte once decompressed, so it is not the corpus' text; "
+                               "download it again")
     text = decode_utf8(raw, str(path), errors)
     if path.suffix == ".raw":
         rows = wikitext_raw_rows(text)
