@@ -165,6 +165,11 @@ def main(argv=None) -> int:
                                                              "the peer runs the divergence run's")
     parser.add_argument("--logits-dir", help="where the peer writes its log-probabilities (default: the system's "
                                              "temporary folder)")
+    parser.add_argument("--no-peer", action="store_true",
+                        help="leave the stored-logits peer out (it writes 2 bytes a vocabulary entry a scored token: "
+                             "about 100 KB a token for GPT-2, too much for a large corpus)")
+    parser.add_argument("--no-chunked", action="store_true",
+                        help="on CUDA, leave the chunked divergence (FASTPPL_FUSED_DIVERGENCE=0) out")
     parser.add_argument("--no-warmup", action="store_true",
                         help="time each variant's first run (by default every variant runs once untimed first)")
     args = parser.parse_args(argv)
@@ -172,18 +177,20 @@ def main(argv=None) -> int:
     # every variant once before any is timed: the first run of a process pays for CUDA's start, cuBLAS's handles
     # and Triton's compiles (the single model, timed first, ran at a tenth of its speed)
     # on CUDA the divergence runs the fused kernel; its chunked path (FASTPPL_FUSED_DIVERGENCE=0) is timed beside it
-    chunked_too = resolve_device(args.device).type == "cuda"
+    chunked_too = resolve_device(args.device).type == "cuda" and not args.no_chunked
     for _ in range(1 if args.no_warmup else 2):
         single = fastppl_run(args, reference=False)
         together = fastppl_run(args, reference=True)
         chunked = fastppl_run(args, reference=True, fused=False) if chunked_too else None
-        peer = peer_run(args, together["batch_size"])
+        peer = None if args.no_peer else peer_run(args, together["batch_size"])
     print(f"random:{args.model} against seed {args.reference_seed}, {Path(args.data).name} ({args.split}), "
           f"ctx {args.ctx}, device {resolve_device(args.device)}\n")
     rows = {"fastppl eval (model alone)": single, "fastppl eval --reference-model": together}
     if chunked is not None:
         rows["fastppl eval --reference-model, FASTPPL_FUSED_DIVERGENCE=0"] = chunked
-    print(table({**rows, "stored logits (two runs, fp16 on disk)": peer}, single))
+    if peer is not None:
+        rows["stored logits (two runs, fp16 on disk)"] = peer
+    print(table(rows, single))
     return 0
 
 

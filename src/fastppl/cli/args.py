@@ -9,7 +9,7 @@ import argparse
 # the random:PRESET shapes, as in the families' specs (fastppl.models.registry.presets(); those modules import torch,
 # which the parser must not); tests/cli/test_help.py keeps the lists equal
 GPT2_PRESETS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt2-tiny")
-LLAMA_PRESETS = ("llama-1b", "llama-tiny")
+LLAMA_PRESETS = ("llama-1b", "llama-8b", "llama-tiny")
 QWEN3_PRESETS = ("qwen3-tiny",)
 RANDOM_PRESETS = GPT2_PRESETS + LLAMA_PRESETS + QWEN3_PRESETS
 

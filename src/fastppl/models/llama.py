@@ -71,6 +71,12 @@ PRESETS = {
         n_head=32, n_kv_head=8, head_dim=64, rope_theta=500000.0, rope_type="llama3", rope_factor=32.0,
         rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_positions=8192,
         tie_word_embeddings=True),
+    # the Llama-3.1-8B shape (16 GB of bf16 weights: for a GPU)
+    "llama-8b": LlamaConfig(
+        vocab_size=128256, max_positions=131072, hidden_size=4096, intermediate_size=14336, n_layer=32,
+        n_head=32, n_kv_head=8, head_dim=128, rope_theta=500000.0, rope_type="llama3", rope_factor=8.0,
+        rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_positions=8192,
+        tie_word_embeddings=False),
     # tiny shape for tests: GQA, untied, and llama3 scaling that bites at short wavelengths (original
     # context 64), with a vocabulary that holds the GPT-2 tokenizer's 50,257 ids
     "llama-tiny": LlamaConfig(
