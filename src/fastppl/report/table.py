@@ -6,6 +6,7 @@ import io
 import math
 from pathlib import Path
 
+from .divergence import TOP_K_NOT_COMPUTED
 from .tables import format_table, one_line
 
 TABLE_FORMAT = "fastppl-table/1"   # the "format" of a table's --json (fastppl.table), which fastppl compare reads
@@ -60,6 +61,8 @@ def table_text(table: dict, markdown: bool = False) -> str:
     if table.get("reference_model"):
         against += "; KLD (nats/token), same top-1, top-5 overlap, Δp and PPL ratio against it, on the same windows"
     lines.append(against + "; n/a where the base's tokens differ or its cell failed.")
+    if any(row.get("kld_mean") is not None and row.get("top5_overlap") is None for row in table["rows"]):
+        lines.append(f"top-5 overlap n/a: {TOP_K_NOT_COMPUTED}.")
     if failed:
         lines.append("")
         lines += [f"- failed: {one_line(names[row['model']])} on {one_line(row['corpus'])}: {one_line(row['error'])}"
