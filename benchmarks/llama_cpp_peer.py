@@ -144,12 +144,12 @@ class Timed:
     wall_seconds: float
 
 
-def _run(command: list[str], log: Path, timeout: float, what: str) -> float:
+def _run(command: list[str], log: Path, timeout: float, what: str, env: Optional[dict] = None) -> float:
     """The command with stdout and stderr into `log`; its wall seconds. A failure names the log's last line."""
     started = time.perf_counter()
     with open(log, "w") as out:
         try:
-            code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, env=env).returncode
         except subprocess.TimeoutExpired:
             raise PeerError(f"{what} ran past {timeout:.0f} s; see {log}") from None
         except OSError as e:
@@ -169,29 +169,22 @@ def llama_perplexity(args, model: str, log: Path, *extra: str) -> Timed:
 
 
 def fastppl_eval(args, model: str, report: Path, log: Path, reference: Optional[str] = None) -> Timed:
-    """`fastppl eval --protocol llama.cpp` in its own process, on the text llama.cpp read (its first --chunks
-    chunks: the text cut to them, written beside the logs)."""
+    """`fastppl eval --protocol llama.cpp` in its own process (fastppl imported from this checkout), on the text
+    llama.cpp read."""
     command = [sys.executable, "-m", "fastppl", "eval", "--protocol", "llama.cpp", "--model", model,
-               "--data", args.fastppl_data, "--ctx", str(args.ctx), "--device", args.device, "--dtype", args.dtype,
+               "--data", args.data, "--ctx", str(args.ctx), "--device", args.device, "--dtype", args.dtype,
                "--quiet", "--json", str(report), *(["--reference-model", reference] if reference else []),
                *args.fastppl_args.split()]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-    started = time.perf_counter()
-    with open(log, "w") as out:
-        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=args.timeout, env=env).returncode
-    if code != 0:
-        last = (log.read_text(errors="replace").strip().splitlines() or ["(no output)"])[-1]
-        raise PeerError(f"fastppl eval on {Path(model).name} exited {code}: {last.strip()[:300]}; see {log}")
+    wall = _run(command, log, args.timeout, f"fastppl eval on {Path(model).name}", env)
     result = json.loads(report.read_text())
     figures = {"ppl": result["protocol"]["reported"]["ppl"],
                "ppl_plus_minus": result["protocol"]["reported"]["ppl_plus_minus"],
-               "chunks": result["protocol"].get("windows", {}).get("count") if isinstance(
-                   result["protocol"].get("windows"), dict) else None,
                "tokens_scored": result["tokens_scored"], "tokens_read": result["tokens_forwarded"],
                "seconds": result["scoring_seconds"], "loss": result.get("loss"), "dtype": result.get("dtype"),
                "tokens_per_second": result["tokens_forwarded"] / result["scoring_seconds"],
                "divergence": result.get("divergence") or {}}
-    return Timed(figures, time.perf_counter() - started)
+    return Timed(figures, wall)
 
 
 def cut_to_chunks(text_path: str, model: str, ctx: int, chunks: int, directory: Path) -> str:
@@ -309,7 +302,6 @@ def run(args) -> int:
     work.mkdir(parents=True, exist_ok=True)
     if args.chunks:
         args.data = cut_to_chunks(args.data, args.model, args.ctx, args.chunks, work)
-    args.fastppl_data = args.data
     from fastppl.models.bits import bits_per_weight
     runs: dict = {"bits_per_weight": bits_per_weight(args.model)}
     runs["llama.cpp ppl"] = llama_perplexity(args, args.model, work / "llama_ppl.log")

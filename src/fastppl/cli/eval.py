@@ -310,7 +310,7 @@ def run_table(args: argparse.Namespace) -> int:
     check_outputs(args)
     if args.plot:
         from ..report.bits_plot import check_table_plot
-        check_table_plot(args.model, config.reference_model, any(not c.is_base for c in cells))
+        check_table_plot(args.model, any(not c.is_base for c in cells))
     check_data_paths(args)
     seconds = run_cells(cells, args.quiet)
     table = table_report(cells, base_model(config, args.model), seconds, config.reference_model)

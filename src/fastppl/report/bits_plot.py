@@ -9,7 +9,6 @@ the first --model, as the table's ΔPPL column is."""
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 from ..errors import FastpplError
 from .plot import FIGURE_SIZE, PANEL_WIDTH, _new_figure, save_figure
@@ -19,7 +18,7 @@ from .table import short_names
 PANELS = (("kld_mean", "mean KL(reference ‖ model) per token (nats)"), ("delta_ppl", "ΔPPL against the base"))
 
 
-def check_table_plot(models: list[str], reference_model: Optional[str], has_other_than_base: bool) -> None:
+def check_table_plot(models: list[str], has_other_than_base: bool) -> None:
     """Before any work: every model has a file to take its bits per weight from, and there is something to draw."""
     for model in models:
         if model.startswith("random:"):
