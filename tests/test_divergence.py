@@ -371,12 +371,14 @@ def test_the_fused_divergence_kernel_in_a_run_gives_the_chunked_statistics(relat
         pytest.skip("needs TRITON_INTERPRET=1 on a machine without a GPU")
     chunked = _evaluate(tokenizer_dir, [text_path], ctx=32, batch_size=4)
     monkeypatch.setattr(apply, "fused_divergence_enabled", lambda device: True)
+    monkeypatch.setenv("FASTPPL_FUSED_DIVERGENCE", "1")   # the kernel in fp32, which auto leaves to the chunked path
     monkeypatch.setattr(fused_divergence, "fused_divergence_op", lambda *args: fused_divergence.fused_divergence(
         *args, block_m=64, block_n=4096, block_k=64))
     fused = _evaluate(tokenizer_dir, [text_path], ctx=32, batch_size=4)
     assert fused["loss"] == "fused divergence kernel (Triton)" and chunked["loss"].startswith("chunked")
     d = fused["divergence"]
     assert d["top5_overlap"] is None and d["top10_overlap"] is None and chunked["divergence"]["top5_overlap"] > 0
+    assert "FASTPPL_FUSED_DIVERGENCE=0" in d["top_k_overlap_not_computed"]
     _assert_same_statistics(d, chunked["divergence"], rel=1e-5)
 
 
@@ -387,6 +389,30 @@ def test_fused_divergence_is_for_cuda_and_can_be_turned_off(monkeypatch):
     assert fused_divergence_enabled(torch.device("cuda"))
     monkeypatch.setenv("FASTPPL_FUSED_DIVERGENCE", "0")
     assert not fused_divergence_enabled(torch.device("cuda"))
+
+
+def test_the_fused_divergence_runs_in_16_bit_and_fp32_takes_the_chunked_path_with_its_reason(monkeypatch):
+    from fastppl.accel.apply import CHUNKED_DIVERGENCE, FUSED_DIVERGENCE, divergence_path
+    cuda = torch.device("cuda")
+    assert divergence_path(torch.device("cpu"), torch.bfloat16) == (False, CHUNKED_DIVERGENCE)
+    monkeypatch.setattr("fastppl.accel.apply.fused_loss_available", lambda device: True)
+    assert divergence_path(cuda, torch.bfloat16) == divergence_path(cuda, torch.float16) == (True, FUSED_DIVERGENCE)
+    fused, loss = divergence_path(cuda, torch.float32)
+    assert not fused and loss.startswith(CHUNKED_DIVERGENCE) and "auto: fp32" in loss
+    monkeypatch.setenv("FASTPPL_FUSED_DIVERGENCE", "1")
+    assert divergence_path(cuda, torch.float32) == (True, FUSED_DIVERGENCE)
+    monkeypatch.setenv("FASTPPL_FUSED_DIVERGENCE", "0")
+    assert divergence_path(cuda, torch.bfloat16) == (False, CHUNKED_DIVERGENCE)
+
+
+def test_an_fp32_run_where_the_fused_kernel_could_run_says_why_it_ran_the_chunked_path(tokenizer_dir, text_path,
+                                                                                        monkeypatch):
+    """The kernel available (as on CUDA) and the run in fp32: the chunked path runs, its reason in the report's loss,
+    and the top-k overlaps it computes are in the report."""
+    monkeypatch.setattr("fastppl.accel.apply.fused_loss_available", lambda device: True)
+    report = _evaluate(tokenizer_dir, [text_path], ctx=32, batch_size=4)
+    assert report["loss"].startswith("chunked projection, divergence in torch (auto: fp32")
+    assert report["divergence"]["top5_overlap"] > 0 and "top_k_overlap_not_computed" not in report["divergence"]
 
 
 @pytest.mark.slow
@@ -551,11 +577,10 @@ needs_a_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA 
 @pytest.mark.parametrize("fused", [True, False])
 def test_on_the_gpu_the_divergence_gives_the_cpu_statistics(related_models, tokenizer_dir, text_path, window, stride,
                                                             fused, monkeypatch):
-    """fp32 on CUDA (the fused kernel, or the chunked path with FASTPPL_FUSED_DIVERGENCE=0) against fp32 on the
+    """fp32 on CUDA (the fused kernel with FASTPPL_FUSED_DIVERGENCE=1, or the chunked path) against fp32 on the
     CPU: the same statistics up to the two devices' products (1e-5 relative)."""
     on_cpu = _evaluate(tokenizer_dir, [text_path], ctx=32, batch_size=3, window=window, stride=stride, device="cpu")
-    if not fused:
-        monkeypatch.setenv("FASTPPL_FUSED_DIVERGENCE", "0")
+    monkeypatch.setenv("FASTPPL_FUSED_DIVERGENCE", "1" if fused else "0")   # the kernel even in fp32, or none
     on_gpu = _evaluate(tokenizer_dir, [text_path], ctx=32, batch_size=3, window=window, stride=stride, device="cuda")
     assert on_gpu["loss"] == ("fused divergence kernel (Triton)" if fused
                               else "chunked projection, divergence in torch")
@@ -620,3 +645,28 @@ def test_a_reference_on_a_device_of_its_own_gives_the_same_divergence(related_mo
     for name, value in together["divergence"].items():
         if isinstance(value, float) and not name.startswith("delta_p"):
             assert apart["divergence"][name] == pytest.approx(value, rel=1e-5, abs=1e-9), name
+
+
+def test_top_k_overlaps_a_run_did_not_compute_are_null_with_the_reason_in_the_report_and_its_lines():
+    """The fused kernel's columns leave the top-k overlaps NaN: the statistics say null and why, never NaN, and
+    the summary's line and a table's note say so."""
+    from fastppl.engine.divergence import COLUMNS
+    from fastppl.report.divergence import divergence_lines, divergence_statistics
+    from fastppl.report.table import table_text
+    columns = np.random.default_rng(0).uniform(0.0, 1.0, (40, len(COLUMNS)))
+    for name in ("top5_overlap", "top10_overlap"):
+        columns[:, COLUMNS.index(name)] = np.nan
+    d = divergence_statistics(columns)
+    assert d["top5_overlap"] is None and d["top10_overlap_error"] is None
+    assert d["top_k_overlap_not_computed"].startswith("not computed: the fused divergence kernel")
+    assert not any(isinstance(v, float) and np.isnan(v) for v in d.values())
+    line = next(line for line in divergence_lines({**d, "reference_model": "ref", "kld_by_confidence": []})
+                if line.startswith("same top-1"))
+    assert "top-5 overlap n/a" in line and "FASTPPL_FUSED_DIVERGENCE=0" in line
+    row = {"model": "m", "corpus": "c", "status": "ok", "kld_mean": d["kld_mean"], "top5_overlap": None}
+    text = table_text({"models": ["m"], "rows": [row], "base": "ref", "reference_model": "ref"})
+    assert "top-5 overlap n/a: not computed: the fused divergence kernel" in text
+    columns[:, COLUMNS.index("top5_overlap")] = 0.5
+    assert "top_k_overlap_not_computed" in divergence_statistics(columns)   # top-10 still missing
+    columns[:, COLUMNS.index("top10_overlap")] = 0.5
+    assert "top_k_overlap_not_computed" not in divergence_statistics(columns)

@@ -20,6 +20,7 @@ from typing import Callable, Optional
 
 from .config import EvalConfig
 from .errors import FastpplError, first_line, is_memory_exhausted
+from .models.bits import bits_per_weight
 from .report.table import DIVERGENCE_FIELDS, TABLE_FORMAT, short_names
 
 
@@ -112,8 +113,10 @@ def base_model(config: EvalConfig, models: list[str]) -> str:
 def table_rows(cells: list[Cell]) -> list[dict]:
     """One row per cell: its figures, ΔPPL against the base's on the same corpus (from the reference's side of the
     cell's divergence, on its very windows; else from the base's own cell where it scored the same tokens in the
-    same windows), and the divergence's KLD and same-top-1 figures."""
+    same windows), the divergence's KLD and same-top-1 figures, and the bits per weight of the model's file
+    (fastppl.models.bits; None for random:PRESET)."""
     base_reports = {c.corpus: c.report for c in cells if c.is_base and c.report is not None}
+    bits = {model: bits_per_weight(model) for model in dict.fromkeys(c.model for c in cells if c.report)}
     rows = []
     for cell in cells:
         row = {"model": cell.model, "corpus": cell.corpus, "status": "ok" if cell.report else "failed",
@@ -123,7 +126,7 @@ def table_rows(cells: list[Cell]) -> list[dict]:
             continue
         report, divergence = cell.report, cell.report.get("divergence") or {}
         row.update(tokens_scored=report["tokens_scored"], nll=report["nll"], ppl=report["ppl"],
-                   bits_per_byte=report["bits_per_byte"])
+                   bits_per_byte=report["bits_per_byte"], bits_per_weight=bits[cell.model])
         base_report = base_reports.get(cell.corpus)
         base_ppl = divergence.get("reference_ppl")
         if base_ppl is None and base_report is not None and same_tokens(base_report, report):

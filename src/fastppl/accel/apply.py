@@ -43,10 +43,27 @@ def fused_trunk_enabled() -> bool:
 
 
 def fused_divergence_enabled(device: torch.device) -> bool:
-    """With --reference-model on CUDA the fused divergence kernel (engine/fused_divergence.py) computes both
+    """With --reference-model on CUDA the fused divergence kernel (engine/fused_divergence.py) may compute both
     models' columns, unless FASTPPL_FUSED_DIVERGENCE=0 (the chunked path: to compare, to bisect, or for the top-k
     overlaps, which only it computes)."""
     return fused_loss_available(device) and os.environ.get("FASTPPL_FUSED_DIVERGENCE") != "0"
+
+
+FUSED_DIVERGENCE = "fused divergence kernel (Triton)"
+CHUNKED_DIVERGENCE = "chunked projection, divergence in torch"
+
+
+def divergence_path(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    """(whether the fused divergence kernel runs, what the report's loss says): the kernel where it is enabled, in
+    16-bit; in fp32 the chunked path, which is faster there (on an H100 at Llama-3's vocabulary, 181 against 806 ms
+    a block of rows: the kernel's fp32 tile products run without tensor cores), unless FASTPPL_FUSED_DIVERGENCE=1
+    asks for the kernel."""
+    if not fused_divergence_enabled(device):
+        return False, CHUNKED_DIVERGENCE
+    if dtype == torch.float32 and os.environ.get("FASTPPL_FUSED_DIVERGENCE") != "1":
+        return False, (f"{CHUNKED_DIVERGENCE} (auto: fp32, where the fused divergence kernel is slower than the "
+                       "chunked path; FASTPPL_FUSED_DIVERGENCE=1 runs it)")
+    return True, FUSED_DIVERGENCE
 
 
 def takes_document_ids(model: nn.Module) -> bool:
@@ -138,14 +155,13 @@ def tuned_products(model: nn.Module, tuning: cublaslt.TuningChoice) -> Iterator[
 def divergence_score_fn_for(model: nn.Module, reference: nn.Module, acceleration: Acceleration,
                             batching_setting: str, chunk_rows: int = 8192) -> tuple[Acceleration, ScoreFn]:
     """With --reference-model: the reference gets the model's fusions, the batching one both forwards take, and
-    the scorer of both models' divergence (fastppl.engine.divergence): the fused kernel on CUDA
-    (fused_divergence_enabled), else the torch formula; compiled when the run compiles."""
+    the scorer of both models' divergence (fastppl.engine.divergence): the fused kernel on CUDA in 16-bit
+    (divergence_path), else the torch formula; compiled when the run compiles."""
     from ..engine.divergence import make_divergence_score_fn
     device = next(reference.parameters()).device
     reference_fusions = apply_fusions(reference, device, acceleration)
-    fused = fused_divergence_enabled(model.lm_head.weight.device)
-    acceleration = dataclasses.replace(acceleration, loss="fused divergence kernel (Triton)" if fused
-                                       else "chunked projection, divergence in torch")
+    fused, loss = divergence_path(model.lm_head.weight.device, model.lm_head.weight.dtype)
+    acceleration = dataclasses.replace(acceleration, loss=loss)
     if acceleration.batching == "packed" and not takes_document_ids(reference):
         if batching_setting == "packed":
             raise FastpplError("--batching packed needs both models' forwards to take document_ids (the native "

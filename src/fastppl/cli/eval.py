@@ -124,7 +124,9 @@ def _add_output_arguments(p) -> None:
     p.add_argument("--per-doc", help="write one JSON line per scored document here (id, tokens, bytes, words, "
                                      "nll_sum) (default: not written)")
     p.add_argument("--plot", help="draw the loss by window position here (.png, .svg or .pdf; needs matplotlib); "
-                                  "with --reference-model the KLD histogram and KLD by position (default: not drawn)")
+                                  "with --reference-model the KLD histogram and KLD by position; of a table of "
+                                  "several models, their KLD and ΔPPL by their files' bits per weight, a line per "
+                                  "corpus (see docs/divergence.md) (default: not drawn)")
     p.add_argument("--bootstrap", type=at_least(0), default=0, metavar="N",
                    help=f"a 95%% interval of nll, perplexity and bits per byte from N resamples (at least "
                         f"{MIN_BOOTSTRAP}) of the documents, or of the windows of a single document (default: 0: none)")
@@ -287,7 +289,7 @@ def _relaunch(args: argparse.Namespace) -> int:
 
 
 # what writes one run's files: a table's cells would each need their own
-ONE_RUN_OUTPUTS = {"--per-token": "per_token", "--per-doc": "per_doc", "--plot": "plot", "--resume": "resume"}
+ONE_RUN_OUTPUTS = {"--per-token": "per_token", "--per-doc": "per_doc", "--resume": "resume"}
 
 
 def run_table(args: argparse.Namespace) -> int:
@@ -306,6 +308,9 @@ def run_table(args: argparse.Namespace) -> int:
     # every cell's options checked before anything is read
     cells = plan_cells(config, args.model, args.corpus, lambda **cell: config_from_args(args, **cell))
     check_outputs(args)
+    if args.plot:
+        from ..report.bits_plot import check_table_plot
+        check_table_plot(args.model, any(not c.is_base for c in cells))
     check_data_paths(args)
     seconds = run_cells(cells, args.quiet)
     table = table_report(cells, base_model(config, args.model), seconds, config.reference_model)
@@ -313,6 +318,9 @@ def run_table(args: argparse.Namespace) -> int:
         with all_or_nothing():
             if args.json:
                 write_json(args.json, table)
+            if args.plot:
+                from ..report.bits_plot import write_bits_per_weight_plot
+                write_bits_per_weight_plot(args.plot, table)
             write_table_files(args, table)
     print(table_text(table))
     return exit_code(cells)

@@ -16,6 +16,9 @@ KLD_PERCENTILES = (0.1, 1.0, 5.0, 10.0, 50.0, 90.0, 95.0, 99.0, 99.9)
 DELTA_P_PERCENTILES = (0.1, 1.0, 5.0, 10.0, 25.0, 50.0, 75.0, 90.0, 95.0, 99.0, 99.9)
 REVERSE_KLD_PERCENTILES = (50.0, 99.0)
 HISTOGRAM_BINS = 60
+# why a run's top-k overlaps are null: only the chunked path, which holds each row's logits, computes them
+TOP_K_NOT_COMPUTED = ("not computed: the fused divergence kernel keeps no top-k lists; FASTPPL_FUSED_DIVERGENCE=0 "
+                      "runs the chunked path, which computes them")
 # KLD by the reference's confidence: buckets of its top-1 probability, [0, 0.1), ..., [0.9, 1]
 CONFIDENCE_EDGES = tuple(i / 10 for i in range(11))
 
@@ -93,6 +96,8 @@ def _shares(c: dict, top_k: Sequence[int]) -> dict:
             out[name], out[f"{name}_error"] = None, None
         else:
             out[name], out[f"{name}_error"] = _mean_and_error(c[name])
+    if any(out[f"top{k}_overlap"] is None for k in top_k):
+        out["top_k_overlap_not_computed"] = TOP_K_NOT_COMPUTED
     out["target_top1"] = float(np.mean(c["target_rank"] == 0))
     return out
 
@@ -146,6 +151,7 @@ def divergence_lines(d: dict) -> list[str]:
 
     def share(name: str) -> str:
         return "n/a" if d.get(name) is None else f"{100 * d[name]:.3f} ± {100 * d[f'{name}_error']:.3f} %"
+    not_computed = f" ({d['top_k_overlap_not_computed']})" if d.get("top_k_overlap_not_computed") else ""
     confident = " ".join(f"{b['low']:.1f}-{b['high']:.1f}: "
                          f"{'n/a' if b['kld_mean'] is None else format(b['kld_mean'], '.4g')}"
                          for b in d["kld_by_confidence"])
@@ -159,7 +165,7 @@ def divergence_lines(d: dict) -> list[str]:
         f"p99 {d['reverse_kld_p99']:.6g}  max {d['reverse_kld_max']:.6g}",
         f"kld by the reference's top-1 probability  {confident}",
         f"same top-1  {share('same_top1')}  top-5 overlap {share('top5_overlap')}  "
-        f"top-10 overlap {share('top10_overlap')}",
+        f"top-10 overlap {share('top10_overlap')}{not_computed}",
         f"delta p     mean {100 * d['delta_p_mean']:.4g} ± {100 * d['delta_p_mean_error']:.2g} %  "
         f"rms {100 * d['delta_p_rms']:.4g} ± {100 * d['delta_p_rms_error']:.2g} %  p1 {100 * d['delta_p_p1']:.4g} %  "
         f"median {100 * d['delta_p_p50']:.4g} %  p99 {100 * d['delta_p_p99']:.4g} %",

@@ -6,6 +6,7 @@ import io
 import math
 from pathlib import Path
 
+from .divergence import TOP_K_NOT_COMPUTED
 from .tables import format_table, one_line
 
 TABLE_FORMAT = "fastppl-table/1"   # the "format" of a table's --json (fastppl.table), which fastppl compare reads
@@ -17,7 +18,7 @@ COLUMNS = (
     ("bits/byte", "bits_per_byte", ".6f"), ("KLD mean", "kld_mean", ".6f"), ("KLD median", "kld_median", ".6f"),
     ("KLD p99", "kld_p99", ".6f"), ("KLD max", "kld_max", ".4f"), ("rev. KLD", "reverse_kld_mean", ".6f"),
     ("same top-1", "same_top1", ".3%"), ("top-5 overlap", "top5_overlap", ".3%"), ("Δp RMS", "delta_p_rms", ".3%"),
-    ("PPL ratio", "ppl_ratio", ".6f"),
+    ("PPL ratio", "ppl_ratio", ".6f"), ("bits/weight", "bits_per_weight", ".3f"),
 )
 # a divergence's statistics that a table's rows carry (fastppl.table.table_rows), by their report names
 DIVERGENCE_FIELDS = ("kld_mean", "kld_mean_error", "kld_median", "kld_p90", "kld_p99", "kld_p99.9", "kld_max",
@@ -25,7 +26,7 @@ DIVERGENCE_FIELDS = ("kld_mean", "kld_mean_error", "kld_median", "kld_p90", "kld
                      "delta_p_mean", "delta_p_rms", "delta_p_rms_error", "ppl_ratio", "ppl_ratio_error",
                      "ln_ppl_ratio", "ln_ppl_ratio_error", "ln_ppl_correlation")
 CSV_COLUMNS = ("model", "corpus", "status", "tokens_scored", "nll", "ppl", "base_ppl", "delta_ppl",
-               "delta_ppl_relative", "bits_per_byte", *DIVERGENCE_FIELDS, "error")
+               "delta_ppl_relative", "bits_per_byte", *DIVERGENCE_FIELDS, "bits_per_weight", "error")
 
 
 def short_names(specs: list[str]) -> list[str]:
@@ -60,6 +61,8 @@ def table_text(table: dict, markdown: bool = False) -> str:
     if table.get("reference_model"):
         against += "; KLD (nats/token), same top-1, top-5 overlap, Δp and PPL ratio against it, on the same windows"
     lines.append(against + "; n/a where the base's tokens differ or its cell failed.")
+    if any(row.get("kld_mean") is not None and row.get("top5_overlap") is None for row in table["rows"]):
+        lines.append(f"top-5 overlap n/a: {TOP_K_NOT_COMPUTED}.")
     if failed:
         lines.append("")
         lines += [f"- failed: {one_line(names[row['model']])} on {one_line(row['corpus'])}: {one_line(row['error'])}"
