@@ -437,11 +437,20 @@ def shape(config: LlamaConfig) -> ModelShape:
 # fused 158 k -> 212 k tokens/s for 9 s, chunked 146 k -> 216 k for 11 s: repaid after ~5.6 M tokens.
 COMPILE_MIN_TOKENS = {"fused": 6_000_000, "chunked": 6_000_000}
 SIZE_KEYS = HFSizeKeys("num_hidden_layers", "vocab_size", "hidden_size", "embed_tokens.weight")
+# null head_dim and num_key_value_heads are transformers' defaults; 0 is not (it was read as the default)
+_ROPE_OBJECTS = ("rope_parameters", "rope_scaling")
+HF_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings",
+            *(f"{rope}.original_max_position_embeddings" for rope in _ROPE_OBJECTS))
+HF_FACTORS = ("rms_norm_eps", "rope_theta",
+              *(f"{rope}.{key}" for rope in _ROPE_OBJECTS
+                for key in ("rope_theta", "factor", "low_freq_factor", "high_freq_factor")))
 SPEC = ModelSpec(
     name="llama", model_class=Llama, config_class=LlamaConfig, model_types=("llama",),
     config_from_hf=config_from_hf, config_to_hf=config_to_hf, checkpoint_pieces=checkpoint_pieces,
     state_dict_to_hf=state_dict_to_hf,
-    hf_size_keys=SIZE_KEYS, shape=shape, presets=PRESETS, compile_family="llama",
+    hf_size_keys=SIZE_KEYS, shape=shape, hf_sizes=HF_SIZES, hf_factors=HF_FACTORS, presets=PRESETS,
+    compile_family="llama",
     compile_min_tokens=COMPILE_MIN_TOKENS, rotary=True, fused_trunk_forward=forward_with_fused_trunk,
 )
 # Qwen2 and Mistral are this module with options: q/k/v biases; a sliding window (exact up to its length)
