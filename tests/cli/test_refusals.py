@@ -159,10 +159,10 @@ def test_every_refusal_is_one_line_before_anything_is_loaded(extra, message, tmp
 
 @pytest.mark.parametrize("flag, name", [(flag, name) for flag, name, _ in CHOICES])
 def test_unknown_values_of_the_api(flag, name):
-    """The Python API's EvalConfig refuses what argparse's choices refuse on the command line."""
-    with pytest.raises(FastpplError, match=f"unknown {flag} 'nope'; use one of "):
+    """The Python API's EvalConfig refuses what argparse's choices refuse on the command line, naming its field."""
+    with pytest.raises(FastpplError, match=f"^unknown {name} 'nope'; use one of "):
         EvalConfig(model="m", data=["d.txt"], **{name: "nope"})
-    with pytest.raises(FastpplError, match="unknown --protocol 'nope'; use one of lm-eval-rolling"):
+    with pytest.raises(FastpplError, match="^unknown protocol 'nope'; use one of lm-eval-rolling"):
         EvalConfig(model="m", data=["d.txt"], protocol="nope")
 
 
