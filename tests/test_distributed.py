@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from fastppl.cli import main
 from fastppl.distributed import (LaunchEnv, launch_env, rank_device, shard_plans, timeout_seconds,
@@ -125,6 +126,35 @@ def test_nproc_is_removed_from_the_relaunched_command():
     command = torchrun_command(2, ["eval", "--model", "m"])
     assert command[:3] == [sys.executable, "-m", "fastppl.launch"]
     assert command[3:] == ["--standalone", "--nproc-per-node", "2", "-m", "fastppl", "eval", "--model", "m"]
+
+
+def test_nproc_is_capped_by_the_cores_this_process_may_use(tmp_path, capsys, monkeypatch):
+    """The affinity's cores (a container's share), not the host's: gloo ranks beyond them only wait."""
+    text = tmp_path / "t.txt"
+    text.write_text("Some text.")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert main(["eval", "--model", "random:gpt2-tiny", "--data", str(text), "--device", "cpu", "--nproc", "2"]) == 2
+    assert capsys.readouterr().err == ("fastppl: error: --nproc 2 is more processes than the 1 CPU cores this process "
+                                       "may use; use one per GPU (or at most one per core)\n")
+
+
+@pytest.mark.parametrize("device, message", [
+    ("cuda", "--nproc 3 is more processes than the 2 visible GPU(s); use at most 2, one per GPU"),
+    ("auto", "--nproc 3 is more processes than the 2 visible GPU(s); use at most 2, one per GPU"),
+    ("cuda:1", "--device cuda:1 names one GPU, but each of the 3 processes needs its own; pass --device cuda"),
+])
+def test_nproc_on_gpus_is_capped_by_the_gpus_before_torchrun_starts(tmp_path, capsys, monkeypatch, device, message):
+    """A rank per GPU: more ranks than GPUs were started, then failed one by one (LOCAL_RANK beyond the GPUs)."""
+    import fastppl.distributed
+    text = tmp_path / "t.txt"
+    text.write_text("Some text.")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(fastppl.distributed, "relaunch_under_torchrun", lambda *a: pytest.fail("torchrun started"))
+    assert main(["eval", "--model", "random:gpt2-tiny", "--data", str(text), "--device", device, "--nproc", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fastppl: error: {message}") and err.count("\n") == 1, err
 
 
 def test_nproc_below_one_is_an_error(tmp_path, tokenizer_dir, capsys):

@@ -328,6 +328,7 @@ def test_a_model_against_itself_diverges_by_exactly_zero(related_models, tokeniz
     d = result["divergence"]
     assert d["kld_mean"] == 0.0 and d["kld_max"] == 0.0 and d["kld_min"] == 0.0
     assert d["same_top1"] == 1.0 and d["delta_p_rms"] == 0.0 and d["ppl_ratio"] == 1.0 and d["ln_ppl_ratio"] == 0.0
+    assert d["delta_p_rms_error"] == 0.0   # exact, not 0 / 0 (printed "± nan")
     assert d["kld_histogram"] == {"edges": [], "counts": [], "at_most_zero": d["tokens"]}
 
 

@@ -35,7 +35,7 @@ print(f"batching: {result['batching_reason']}; compile {result['compile']}")
 for doc in result.per_doc:
     print(f"  {pathlib.Path(doc['id']).name}: {doc['tokens']} tokens, nll {doc['nll_sum'] / doc['tokens']:.4f}")
 
-# 2. Bad input raises FastpplError, with the one-line message the CLI prints.
+# 2. Bad input raises FastpplError, with the one-line message the CLI prints, naming EvalConfig's fields.
 try:
     fastppl.evaluate(fastppl.EvalConfig(model="random:gpt2-tiny", data=[str(corpus)], tokenizer=tokenizer,
                                         device="cpu", ctx=4096))

@@ -1,6 +1,9 @@
 """Configuration dataclasses; the CLI is a thin mapping onto these."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import os
 import re
 from dataclasses import asdict, dataclass
@@ -135,8 +138,11 @@ class EvalConfig:
         """Every option and combination of options is checked here, before anything is read or built (what only
         the model or the corpus can tell is checked where that becomes known: check_ctx with the model's maximum
         context); then the defaults that depend on other options are resolved."""
-        check_options(self)
-        check_ctx(self, self.ctx)
+        try:
+            check_options(self)
+            check_ctx(self, self.ctx)
+        except FastpplError as e:
+            raise in_python_spelling(e) from None
         if self.protocol is not None:
             self.window = PROTOCOL_WINDOWS[self.protocol]
         if self.text_field is None:
@@ -155,6 +161,54 @@ CHOICES = (("--window", "window", WINDOW_MODES), ("--dtype", "dtype", DTYPES), (
            ("--compile", "compile", ("auto", "on", "off")), ("--tune-products", "tune_products", ("on", "off")),
            ("--kv-cache", "kv_cache", ("auto", "on", "off")), ("--loss", "loss", ("auto", "chunked", "fused")),
            ("--batching", "batching", BATCHING_SETTINGS))
+
+
+# ------------------------------------------------------------------- an option's name in an error message
+# set while the CLI runs: its messages name options as the CLI spells them (--per-doc); the Python API's name the
+# EvalConfig field (per_doc)
+_CLI_RUNNING = contextvars.ContextVar("fastppl_cli_running", default=False)
+_OPTION = re.compile(r"--([a-z][a-z0-9-]*)( [A-Za-z0-9][\w.:/-]*)?")
+
+
+@contextlib.contextmanager
+def cli_spelling():
+    """Within: in_python_spelling leaves errors as they are (the CLI prints them)."""
+    token = _CLI_RUNNING.set(True)
+    try:
+        yield
+    finally:
+        _CLI_RUNNING.reset(token)
+
+
+def _field_values() -> dict[str, tuple]:
+    return {**{name: values for _, name, values in CHOICES}, "protocol": tuple(PROTOCOL_WINDOWS),
+            "batch_size": ("auto",)}
+
+
+def python_spelling(message: str) -> str:
+    """message with each option that is an EvalConfig field named as the field (--per-doc: per_doc), and a value
+    after it as the field's value (--kv-cache on: kv_cache="on", --ctx 64: ctx=64, --resume DIR: resume=DIR); the
+    CLI's other options (--nproc, --json) stay as they are."""
+    fields, values = {f.name for f in dataclasses.fields(EvalConfig)}, _field_values()
+
+    def field(match: re.Match) -> str:
+        name, after = match.group(1).replace("-", "_"), match.group(2) or ""
+        if name not in fields:
+            return match.group(0)
+        word = after.strip()
+        if word in values.get(name, ()):
+            return f'{name}="{word}"'
+        if word.isdigit() or (word.isupper() and word.isalpha()):   # a number, or a placeholder (DIR, PATH)
+            return f"{name}={word}"
+        return name + after
+    return _OPTION.sub(field, message)
+
+
+def in_python_spelling(error: FastpplError) -> FastpplError:
+    """error (its class and attributes kept) with its message in python_spelling, unless the CLI runs."""
+    if not _CLI_RUNNING.get() and error.args and isinstance(error.args[0], str):
+        error.args = (python_spelling(error.args[0]), *error.args[1:])
+    return error
 
 
 def check_options(config: EvalConfig) -> None:

@@ -84,6 +84,7 @@ def test_bench_llama_peers_agree(tmp_path, sharpened_random_models):
     report = json.loads(out.read_text())
     assert report["batch_size"] == 8                           # Llama's default
     assert [r["name"] for r in report["rows"]] == ["hf-bf16", "fastppl"]
+    assert report["rows"][0]["note"].startswith("fp32 weights on the CPU (bf16 on CUDA only), SDPA, batch 8")
     hf_nll, fastppl_nll = (r["nll"] for r in report["rows"])
     model = sharpened_random_models("llama-tiny")
     rows = np.random.default_rng(0).integers(0, model.vocab_size, size=(16, 33), dtype=np.int64)   # the bench's

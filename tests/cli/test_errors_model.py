@@ -132,12 +132,15 @@ def test_corrupt_config_and_missing_weights(tmp_path, checkpoint, text, outputs,
 
 @pytest.mark.parametrize("change, fragment", [
     (lambda c: [1, 2], "holds a JSON list, not an object of settings"),
-    (lambda c: {**c, "n_embd": "abc"}, "does not describe a valid model"),
-    (lambda c: {**c, "n_positions": -5}, "does not describe a valid model"),
+    (lambda c: {**c, "n_embd": "abc"}, "n_embd is 'abc', not a positive whole number"),
+    (lambda c: {**c, "n_positions": -5}, "n_positions is -5, not a positive whole number"),
     (lambda c: {**c, "n_head": 3}, "does not describe a valid model"),        # 32 is not a multiple of 3
-    (lambda c: {**c, "n_head": -2}, "every size must be at least 1"),           # -2 divides 64
-    (lambda c: {**c, "n_layer": 0}, "every size must be at least 1"),
-    (lambda c: {**c, "layer_norm_epsilon": -1}, "layer_norm_epsilon must be positive"),   # NaN NLL, exit 0 before
+    (lambda c: {**c, "n_head": -2}, "n_head is -2, not a positive whole number"),           # -2 divides 64
+    (lambda c: {**c, "n_layer": 0}, "n_layer is 0, not a positive whole number"),
+    (lambda c: {**c, "layer_norm_epsilon": -1}, "layer_norm_epsilon is -1, not a positive finite number"),
+    (lambda c: {**c, "layer_norm_epsilon": float("nan")}, "layer_norm_epsilon is nan, not a positive finite"),
+    (lambda c: {**c, "n_embd": 32.0}, "n_embd is 32.0, not a positive whole number"),
+    (lambda c: {**c, "n_positions": True}, "n_positions is True, not a positive whole number"),
     (lambda c: {**c, "n_layer": 1}, "checkpoint holds layer 1 (transformer.h.1."),   # layer 1 was dropped
 ])
 def test_config_of_the_wrong_types_or_sizes(tmp_path, checkpoint, text, outputs, tokenizer_dir, capsys, change,
@@ -147,6 +150,52 @@ def test_config_of_the_wrong_types_or_sizes(tmp_path, checkpoint, text, outputs,
     (broken / "config.json").write_text(json.dumps(change(config)))
     _assert_user_error(*_main(capsys, _args(broken, text, outputs, tokenizer_dir, "--backend", "native")), outputs,
                        "config.json", fragment)
+
+
+@pytest.fixture(scope="module")
+def llama_checkpoint(tmp_path_factory):
+    """A random llama-tiny checkpoint directory (config.json as transformers writes a Llama's)."""
+    from fastppl.models.loading import random_native, save_hf_checkpoint
+    directory = tmp_path_factory.mktemp("llama-tiny")
+    save_hf_checkpoint(random_native("llama-tiny"), directory)
+    return directory
+
+
+def _rope(config: dict, **change) -> dict:
+    """config with its RoPE object's settings changed (rope_scaling, or transformers 5's rope_parameters)."""
+    key = "rope_parameters" if "rope_parameters" in config else "rope_scaling"
+    return {**config, key: {**config[key], **change}}
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
+@pytest.mark.parametrize("change, fragment", [
+    (lambda c: {**c, "rope_theta": float("inf")}, "rope_theta is inf, not a positive finite number"),
+    (lambda c: {**c, "rope_theta": float("nan")}, "rope_theta is nan, not a positive finite number"),
+    (lambda c: {**c, "rope_theta": 0}, "rope_theta is 0, not a positive finite number"),
+    (lambda c: {**c, "rope_theta": -10000.0}, "rope_theta is -10000.0, not a positive finite number"),
+    (lambda c: _rope(c, factor=float("inf")), ".factor is inf, not a positive finite number"),
+    (lambda c: _rope(c, original_max_position_embeddings=0), ".original_max_position_embeddings is 0, not a"),
+    (lambda c: {**c, "head_dim": 0}, "head_dim is 0, not a positive whole number"),   # was read as the default
+    (lambda c: {**c, "num_key_value_heads": 0}, "num_key_value_heads is 0, not a positive whole number"),
+    (lambda c: {**c, "hidden_size": 64.5}, "hidden_size is 64.5, not a positive whole number"),
+    (lambda c: {**c, "num_attention_heads": "4"}, "num_attention_heads is '4', not a positive whole number"),
+    (lambda c: {**c, "intermediate_size": -176}, "intermediate_size is -176, not a positive whole number"),
+    (lambda c: {**c, "rms_norm_eps": 0}, "rms_norm_eps is 0, not a positive finite number"),
+    (lambda c: {**c, "rms_norm_eps": float("-inf")}, "rms_norm_eps is -inf, not a positive finite number"),
+])
+def test_a_llama_config_of_sizes_or_factors_no_model_has_is_one_line(tmp_path, llama_checkpoint, text, outputs,
+                                                                     tokenizer_dir, capsys, change, fragment, backend):
+    broken = _copy_checkpoint(llama_checkpoint, tmp_path / "bad-config")
+    config = json.loads((llama_checkpoint / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps(change(config)))   # inf and nan as JSON's Infinity and NaN
+    _assert_user_error(*_main(capsys, _args(broken, text, outputs, tokenizer_dir, "--backend", backend)), outputs,
+                       f"{broken}/config.json: ", fragment, "the checkpoint is corrupt")
+
+
+def test_the_llama_checkpoint_of_those_checks_is_scored(llama_checkpoint, text, outputs, tokenizer_dir, capsys):
+    """The checks refuse only what they name: the checkpoint they change is itself scored."""
+    assert _main(capsys, _args(llama_checkpoint, text, outputs, tokenizer_dir))[0] == 0
+    assert json.loads(outputs[0].read_text())["nll"] > 0
 
 
 @pytest.mark.parametrize("backend", ["native", "hf"])

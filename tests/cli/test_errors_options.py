@@ -47,7 +47,7 @@ def test_bad_options(extra, fragment, text, outputs, tokenizer_dir, capsys):
 def test_checkpoint_seconds_nan_is_refused():
     from fastppl.config import EvalConfig
     from fastppl.errors import FastpplError
-    with pytest.raises(FastpplError, match="checkpoint-seconds"):
+    with pytest.raises(FastpplError, match="checkpoint_seconds must be a number >= 0, got nan"):
         EvalConfig(model="random:gpt2-tiny", data=["x.txt"], checkpoint_seconds=float("nan"))
 
 

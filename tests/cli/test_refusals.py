@@ -43,7 +43,7 @@ REFUSALS = [
     (["--bootstrap", str(10**9)], "--bootstrap must be at most 1,000,000, got 1,000,000,000"),
     (["--bootstrap", str(2**62)], "--bootstrap must be at most 1,000,000, got 4,611,686,018,427,387,904"),
     (["--nproc", "0"], "--nproc must be at least 1, got 0"),
-    (["--nproc", str(2**62)], "--nproc 4,611,686,018,427,387,904 is more processes than this machine's"),
+    (["--nproc", str(2**62)], "--nproc 4,611,686,018,427,387,904 is more processes than the"),
     # windows
     (["--stride", "4"], "--stride applies to --window sliding only"),
     (["--kv-cache", "on"], "--kv-cache on applies to --window sliding only (chunked windows share no tokens)"),
@@ -159,10 +159,10 @@ def test_every_refusal_is_one_line_before_anything_is_loaded(extra, message, tmp
 
 @pytest.mark.parametrize("flag, name", [(flag, name) for flag, name, _ in CHOICES])
 def test_unknown_values_of_the_api(flag, name):
-    """The Python API's EvalConfig refuses what argparse's choices refuse on the command line."""
-    with pytest.raises(FastpplError, match=f"unknown {flag} 'nope'; use one of "):
+    """The Python API's EvalConfig refuses what argparse's choices refuse on the command line, naming its field."""
+    with pytest.raises(FastpplError, match=f"^unknown {name} 'nope'; use one of "):
         EvalConfig(model="m", data=["d.txt"], **{name: "nope"})
-    with pytest.raises(FastpplError, match="unknown --protocol 'nope'; use one of lm-eval-rolling"):
+    with pytest.raises(FastpplError, match="^unknown protocol 'nope'; use one of lm-eval-rolling"):
         EvalConfig(model="m", data=["d.txt"], protocol="nope")
 
 

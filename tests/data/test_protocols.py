@@ -223,11 +223,11 @@ def test_dataset_revision_from_the_cache_folder():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"protocol": "gptq", "window": "sliding"}, "--window sliding does not go with --protocol gptq"),
-    ({"protocol": "gptq", "bos": True}, "--bos does not go with --protocol gptq"),
-    ({"protocol": "llama.cpp", "stride": 4}, "--stride does not go with --protocol llama.cpp"),
-    ({"protocol": "hf-guide", "kv_cache": "on"}, "--kv-cache on does not go with --protocol hf-guide"),
-    ({"protocol": "gpt-q"}, "unknown --protocol 'gpt-q'"),
+    ({"protocol": "gptq", "window": "sliding"}, 'window="sliding" does not go with protocol="gptq"'),
+    ({"protocol": "gptq", "bos": True}, 'bos does not go with protocol="gptq"'),
+    ({"protocol": "llama.cpp", "stride": 4}, 'stride does not go with protocol="llama.cpp"'),
+    ({"protocol": "hf-guide", "kv_cache": "on"}, 'kv_cache="on" does not go with protocol="hf-guide"'),
+    ({"protocol": "gpt-q"}, "unknown protocol 'gpt-q'"),
 ])
 def test_options_a_protocol_fixes_are_refused(kwargs, message):
     with pytest.raises(FastpplError, match=message):
@@ -244,7 +244,7 @@ def test_corpus_errors(tmp_path, tokenizer_dir, data_dir):
     pages.write_text('{"text": "a b"}\n{"text": "c d"}\n')
     with pytest.raises(FastpplError, match="scores one text"):
         plan_of("llama.cpp", [pages], tokenizer_dir, 16)
-    with pytest.raises(FastpplError, match="is a corpus of --protocol gptq or hf-guide"):
+    with pytest.raises(FastpplError, match='is a corpus of protocol="gptq" or hf-guide'):
         EvalConfig(model="m", data=["wikitext2"], protocol="lm-eval-rolling")
     (tmp_path / "c4-validation.00000-of-00008.json.gz").write_bytes(b"cut short")
     with pytest.raises(FastpplError, match="is not a whole gzip file"):
@@ -254,9 +254,9 @@ def test_corpus_errors(tmp_path, tokenizer_dir, data_dir):
         plan_of("gptq", ["c4"], tokenizer_dir, 16, data_dir=tmp_path)
     with pytest.raises(FastpplError, match="no wiki.test.raw in"):
         plan_of("gptq", ["wikitext2"], tokenizer_dir, 16, data_dir=tmp_path)
-    with pytest.raises(FastpplError, match="--data c4 is a corpus of --protocol gptq, read alone"):
+    with pytest.raises(FastpplError, match='data c4 is a corpus of protocol="gptq", read alone'):
         EvalConfig(model="m", data=["c4"], protocol="hf-guide")
-    with pytest.raises(FastpplError, match="--data c4 is a corpus of --protocol gptq; add --protocol"):
+    with pytest.raises(FastpplError, match='data c4 is a corpus of protocol="gptq"; add protocol="gptq"'):
         EvalConfig(model="m", data=["c4"])
 
 

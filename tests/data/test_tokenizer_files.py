@@ -129,3 +129,15 @@ def test_truncation_and_padding_in_tokenizer_json_are_ignored(tmp_path, tokenize
     short = ["First Citizen:", "Before we proceed any further, hear me speak."]
     assert [ids.tolist() for ids in tokenizer.encode_many(short)] == [_gpt2(tokenizer_dir).encode(t).ids
                                                                        for t in short]
+
+
+@pytest.mark.parametrize("files", [("tokenizer.json", "vocab.json", "merges.txt"), ("vocab.json", "merges.txt")])
+@pytest.mark.parametrize("name, settings", [("tokenizer_config.json", "[1]"), ("special_tokens_map.json", '"x"')])
+def test_a_settings_file_that_holds_no_object_is_one_line(tmp_path, tokenizer_dir, files, name, settings):
+    """transformers (or the fast path) failed on it with an AttributeError, a traceback through the CLI."""
+    from fastppl.errors import FastpplError
+    for file in files:
+        (tmp_path / file).write_bytes((tokenizer_dir / file).read_bytes())
+    (tmp_path / name).write_text(settings)
+    with pytest.raises(FastpplError, match=rf"^{tmp_path / name}: holds a JSON (list|str), not an object of settings"):
+        load_tokenizer(str(tmp_path))

@@ -149,5 +149,5 @@ def test_bad_statistics_options_are_one_line_errors(tmp_path, tokenizer_dir, cap
 def test_group_by_in_the_api_refuses_a_corpus_without_fields(tmp_path, tokenizer_dir):
     text = tmp_path / "t.txt"
     text.write_text("Some text to score.")
-    with pytest.raises(FastpplError, match="--group-by applies to .jsonl files and hf: datasets"):
+    with pytest.raises(FastpplError, match="group_by applies to .jsonl files and hf: datasets"):
         run(tokenizer_dir, [text], group_by="source")

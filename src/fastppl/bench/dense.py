@@ -5,7 +5,7 @@ GPT2LMHeadModel or LlamaForCausalLM, through fastppl.models.loading.native_to_hf
 Peers (all Hugging Face transformers, the same random weights; Llama's default leaves out the slow two):
   naive       the transformers model in fp32, batch 1, loss via labels=, .item() after every step
   autocast    fp32 weights under bf16 autocast, batch 16, labels=
-  hf-bf16     bf16 weights, SDPA attention, batch B, labels=
+  hf-bf16     bf16 weights, SDPA attention, batch B, labels= (fp32 weights on the CPU, as its note says)
   hf-compiled the same under torch.compile
   fastppl     fastppl's scorer as `eval` runs it (bf16 weights, fp32 loss; on CUDA the fused loss, MLP epilogue
               and residual norms)
@@ -207,8 +207,10 @@ def _time_hf_peers(native, rows: np.ndarray, naive_rows: np.ndarray, batch_size:
         if "hf-bf16" in peers:
             reset_peak(device)
             s, nll, tok = _time_labels_peer(hf16, rows, batch_size, device, autocast=False, item_per_step=False)
-            record(BenchRow("hf-bf16", tok, s, nll, peak_bytes(device),   # fp32 weights off CUDA
-                            f"{'bf16' if on_cuda else 'fp32'} SDPA, batch {batch_size}, labels="))
+            # the CPU runs it in fp32 (as it runs fastppl's row), which its row's name would not tell
+            precision = "bf16" if on_cuda else "fp32 weights on the CPU (bf16 on CUDA only),"
+            record(BenchRow("hf-bf16", tok, s, nll, peak_bytes(device),
+                            f"{precision} SDPA, batch {batch_size}, labels="))
         if "hf-compiled" in peers:
             reset_peak(device)
             compiled = torch.compile(hf16)

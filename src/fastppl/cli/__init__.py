@@ -10,6 +10,7 @@ import sys
 from typing import Optional, Sequence
 
 from .. import __version__
+from ..config import cli_spelling
 from ..errors import FastpplError
 from . import bench, compare, eval as eval_command, generate
 from .args import Parser
@@ -44,7 +45,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from ..accel.warm_up import start_triton_warm_up
         start_triton_warm_up()   # overlaps the `import torch` that the command is about to do
     try:
-        return args.run(args)
+        with cli_spelling():   # its errors name options as the command line spells them
+            return args.run(args)
     except FastpplError as e:
         if not getattr(e, "silent", False):   # a rank's copy of another rank's error: rank 0 prints it
             if "torch" in sys.modules:   # only a run that imported torch can be a rank

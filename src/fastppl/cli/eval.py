@@ -191,13 +191,41 @@ def check_outputs(args: argparse.Namespace) -> None:
         check_plot_path(args.plot)
 
 
-def run_eval(args: argparse.Namespace) -> int:
-    if args.nproc is not None and args.nproc < 1:
-        raise FastpplError(f"--nproc must be at least 1, got {args.nproc}")
-    cores = os.cpu_count() or 1   # a rank per GPU, or per core on the CPU: more could only wait on each other
-    if args.nproc is not None and args.nproc > cores:
-        raise FastpplError(f"--nproc {args.nproc:,} is more processes than this machine's {cores} CPU cores; "
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity: a container's or taskset's share), not the host's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def check_nproc(nproc, device_name: str) -> None:
+    """A rank per GPU, or per core on the CPU (gloo ranks beyond the cores only wait on each other): refused
+    before torchrun starts any, where the ranks would fail one by one."""
+    if nproc is None:
+        return
+    if nproc < 1:
+        raise FastpplError(f"--nproc must be at least 1, got {nproc}")
+    cores = usable_cores()
+    if nproc > cores:
+        raise FastpplError(f"--nproc {nproc:,} is more processes than the {cores} CPU cores this process may use; "
                            "use one per GPU (or at most one per core)")
+    if nproc == 1 or device_name == "cpu":
+        return
+    import torch
+
+    from ..engine.precision import resolve_device
+    device = resolve_device(device_name)
+    if device.type != "cuda":
+        return
+    if device.index is not None:
+        raise FastpplError(f"--device {device_name} names one GPU, but each of the {nproc} processes needs its own; "
+                           "pass --device cuda (rank r uses cuda:r)")
+    n_gpus = torch.cuda.device_count()
+    if nproc > n_gpus:
+        raise FastpplError(f"--nproc {nproc:,} is more processes than the {n_gpus} visible GPU(s); use at most "
+                           f"{n_gpus}, one per GPU")
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    check_nproc(args.nproc, args.device)
     if is_table(args):
         return run_table(args)
     if args.nproc is not None and args.nproc != 1:

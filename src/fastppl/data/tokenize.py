@@ -256,6 +256,20 @@ def _hub_tokenizer_dir(repo_id: str) -> Path:
                            f"({first_line(e)}); pass --tokenizer DIR, a local tokenizer directory") from None
 
 
+def _check_settings_files(directory: Path) -> None:
+    """tokenizer_config.json and special_tokens_map.json, where valid JSON, hold an object: transformers fails on
+    another with an AttributeError. (Invalid JSON is left to the loaders, which say so.)"""
+    import json
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        try:
+            settings = json.loads((directory / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if not isinstance(settings, dict):
+            raise FastpplError(f"{directory / name}: holds a JSON {type(settings).__name__}, not an object of "
+                               "settings; the tokenizer is corrupt, or pass --tokenizer PATH to another")
+
+
 def load_tokenizer(name_or_path: str, offline_hint: str = "") -> Tokenizer:
     if gguf_spec(name_or_path):   # a GGUF file's own tokenizer, from its metadata
         from .gguf_tokenizer import gguf_tokenizer_fields
@@ -271,6 +285,7 @@ def load_tokenizer(name_or_path: str, offline_hint: str = "") -> Tokenizer:
     if not directory.exists():
         directory = _hub_tokenizer_dir(name_or_path)
     check_directory_members(directory, "remove it from the tokenizer directory, or check --tokenizer")
+    _check_settings_files(directory)
     if (directory / "tokenizer.json").is_file():
         fast = _load_tokenizer_json(directory, name_or_path)
         if fast is not None:

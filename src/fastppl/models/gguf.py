@@ -7,7 +7,6 @@ model.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from ..config import gguf_local_path
 from ..errors import FastpplError, first_line
 from .gguf_file import GGUFTensorInfo, read_header
 from .gguf_quants import dequantize, stored_bytes, supported_type
+from .settings import check_sizes_and_factors
 from .weights import StoredTensor
 
 # GGUF general.architecture -> transformers model_type, for the families fastppl runs natively
@@ -106,16 +106,9 @@ _FACTORS = ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", 
 def check_metadata(meta: dict, architecture: str, tensors: dict, path: Path) -> None:
     """Each size a positive integer, each factor a positive finite number, and block_count the blocks whose tensors
     the file holds."""
-    for name in _SIZES + _FACTORS:
-        key, value = f"{architecture}.{name}", meta.get(f"{architecture}.{name}")
-        if value is None:
-            continue
-        if name in _SIZES and (type(value) is not int or value < 1):
-            raise FastpplError(f"{path}: GGUF metadata {key} is {value!r}, not a positive whole number; the file is "
-                               "corrupt")
-        if name in _FACTORS and (type(value) not in (int, float) or not 0 < value < math.inf):
-            raise FastpplError(f"{path}: GGUF metadata {key} is {value!r}, not a positive finite number; the file is "
-                               "corrupt")
+    check_sizes_and_factors(meta, [f"{architecture}.{name}" for name in _SIZES],
+                            [f"{architecture}.{name}" for name in _FACTORS], f"{path}: GGUF metadata",
+                            "the file is corrupt")
     blocks = 1 + max((int(m.group(1)) for name in tensors if (m := _BLOCK.match(name))), default=-1)
     count = meta.get(f"{architecture}.block_count")
     if count is not None and count != blocks:

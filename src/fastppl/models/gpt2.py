@@ -306,6 +306,7 @@ SPEC = ModelSpec(
     name="gpt2", model_class=GPT2, config_class=GPT2Config, model_types=("gpt2",), config_from_hf=config_from_hf,
     config_to_hf=config_to_hf, checkpoint_pieces=checkpoint_pieces, state_dict_to_hf=state_dict_to_hf,
     hf_size_keys=HFSizeKeys("n_layer", "vocab_size", "n_embd", "wte.weight"), shape=shape, presets=PRESETS,
+    hf_sizes=("vocab_size", "n_positions", "n_ctx", "n_embd", "n_layer", "n_head"), hf_factors=("layer_norm_epsilon",),
     # Measured on the H200 with an eager scorer slower than the current one, so these are, if anything, low: with
     # the fused loss, compiling moves the scorer only from 1.62 to 1.70 M tokens/s, so it repays ~8 s after ~250 M
     # tokens; with the chunked loss 0.64 -> 1.62 M tokens/s, repaid after ~8 M tokens.

@@ -4,11 +4,8 @@ fastppl.models.qwen3).
 
 RoPE (with the llama3 and linear frequency scalings), grouped-query attention, RMSNorm, SwiGLU, tied or
 untied embeddings, optional q/k/v, o and MLP biases. The output projection is applied by the loss
-(fastppl.engine.loss), in chunks, so that the (B, T, V) logits never exist.
-
-q/k/v and gate/up are each one fused matrix (fewer, larger matmuls); checkpoint_pieces concatenates the
-checkpoint's separate matrices into them.
-"""
+(fastppl.engine.loss), in chunks, so that the (B, T, V) logits never exist. q/k/v and gate/up are each one fused
+matrix (fewer, larger matmuls); checkpoint_pieces concatenates the checkpoint's separate matrices into them."""
 from __future__ import annotations
 
 import dataclasses
@@ -403,10 +400,8 @@ def checkpoint_pieces(model: Llama, index: dict[str, StoredTensor], source: str,
     names = {native: _hf_names(native, name_map) for native in native_params}
     missing = [hf for hf_names in names.values() for hf in hf_names if hf not in index]
     if missing:
-        raise FastpplError(
-            f"{source}: checkpoint lacks {len(missing)} weights that config.json implies (first: {missing[0]}); "
-            "the file is incomplete or its config does not match it"
-        )
+        raise FastpplError(f"{source}: checkpoint lacks {len(missing)} weights that config.json implies (first: "
+                           f"{missing[0]}); the file is incomplete or its config does not match it")
     refuse_dropped_weights(index, "model.layers.", model.config.n_layer,
                            "lm_head.weight" if model.config.tie_word_embeddings else None,
                            "model.embed_tokens.weight", source)
@@ -443,10 +438,15 @@ def shape(config: LlamaConfig) -> ModelShape:
 # fused 158 k -> 212 k tokens/s for 9 s, chunked 146 k -> 216 k for 11 s: repaid after ~5.6 M tokens.
 COMPILE_MIN_TOKENS = {"fused": 6_000_000, "chunked": 6_000_000}
 SIZE_KEYS = HFSizeKeys("num_hidden_layers", "vocab_size", "hidden_size", "embed_tokens.weight")
+_IN_ROPE = [f"{rope}.{key}" for rope in ("rope_parameters", "rope_scaling") for key in (
+    "original_max_position_embeddings", "rope_theta", "factor", "low_freq_factor", "high_freq_factor")]
+HF_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", *_IN_ROPE[::5])
+HF_FACTORS = ("rms_norm_eps", "rope_theta", *(key for key in _IN_ROPE if not key.endswith("_embeddings")))
 SPEC = ModelSpec(
     name="llama", model_class=Llama, config_class=LlamaConfig, model_types=("llama",),
     config_from_hf=config_from_hf, config_to_hf=config_to_hf, checkpoint_pieces=checkpoint_pieces,
-    state_dict_to_hf=state_dict_to_hf,
+    state_dict_to_hf=state_dict_to_hf, hf_sizes=HF_SIZES, hf_factors=HF_FACTORS,
     hf_size_keys=SIZE_KEYS, shape=shape, presets=PRESETS, compile_family="llama",
     compile_min_tokens=COMPILE_MIN_TOKENS, rotary=True, fused_trunk_forward=forward_with_fused_trunk,
 )

@@ -19,6 +19,7 @@ from .gguf import load_hf_gguf, open_gguf
 from .gpt2 import GPT2, PRESETS
 from .hf_backend import HFCausalLM
 from .registry import ModelSpec, NotNative, native_model_types, presets, spec_for_model_type, spec_of, spec_of_preset
+from .settings import check_sizes_and_factors, with_nested_keys
 from .weights import StoredTensor, fill_parameters, index_checkpoint, safetensors_index
 
 NATIVE_MODEL_TYPES = native_model_types()
@@ -235,7 +236,9 @@ def load_model(spec: str, backend: str = "auto", dtype: torch.dtype = torch.floa
     hf_config = gguf.hf_config if gguf else _read_config(directory)
     model_type = hf_config.get("model_type")
     family = spec_for_model_type(model_type)
-    if family is not None and not gguf:
+    if family is not None and not gguf:   # a GGUF's metadata is checked as it is read (fastppl.models.gguf)
+        check_sizes_and_factors(with_nested_keys(hf_config), family.hf_sizes, family.hf_factors,
+                                f"{directory}/config.json:", "the checkpoint is corrupt")
         check_config_fits_weights(directory, hf_config, family)
 
     def load_hf(why: str) -> nn.Module:

@@ -72,6 +72,10 @@ class ModelSpec:
     state_dict_to_hf: Callable[[nn.Module], dict[str, torch.Tensor]]   # native weights under the HF names
     hf_size_keys: HFSizeKeys
     shape: Callable[[Any], ModelShape]               # native config -> its sizes (memory bound, FLOPs)
+    # config.json's keys (one in an object as "rope_scaling.factor") that must hold a positive whole number, and a
+    # positive finite number, where present: checked before anything is built (fastppl.models.settings)
+    hf_sizes: tuple[str, ...] = ()
+    hf_factors: tuple[str, ...] = ()
     presets: Mapping[str, Any] = field(default_factory=dict)   # random:<name> -> native config
     # the compile profile (accel.compile): the scored tokens from which a cold compile repays itself, by loss
     compile_family: str = "gpt2"

@@ -103,11 +103,12 @@ def _shares(c: dict, top_k: Sequence[int]) -> dict:
 
 
 def _delta_p(delta_p: np.ndarray) -> dict:
-    """Δp's mean ± error, percentiles, min and max, and its RMS ± llama.cpp's error: 0.5 / RMS · se(Δp²)."""
+    """Δp's mean ± error, percentiles, min and max, and its RMS ± llama.cpp's error: 0.5 / RMS · se(Δp²); an RMS
+    of 0 (every Δp 0: a model against itself) is exact, its error 0 rather than 0 / 0."""
     rms = float(np.sqrt(np.mean(delta_p * delta_p)))
     _, square_error = _mean_and_error(delta_p * delta_p)
     return {**_spread("delta_p", delta_p, DELTA_P_PERCENTILES),
-            "delta_p_rms": rms, "delta_p_rms_error": 0.5 / rms * square_error if rms > 0 else math.nan}
+            "delta_p_rms": rms, "delta_p_rms_error": 0.5 / rms * square_error if rms > 0 else 0.0}
 
 
 def kld_by_confidence(kld: np.ndarray, reference_top1_p: np.ndarray) -> list[dict]:
