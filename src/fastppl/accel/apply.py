@@ -9,7 +9,7 @@ import dataclasses
 import inspect
 import os
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -135,14 +135,10 @@ def tuned_products(model: nn.Module, tuning: cublaslt.TuningChoice) -> Iterator[
         linear.unroute_linears(model)
 
 
-def divergence_score_fn_for(model: nn.Module, reference: nn.Module, acceleration: Acceleration,
-                            batching_setting: str, chunk_rows: int = 8192) -> tuple[Acceleration, ScoreFn]:
-    """With --reference-model: the reference gets the model's fusions, the batching one both forwards take, and
-    the scorer of both models' divergence (fastppl.engine.divergence): the fused kernel on CUDA
-    (fused_divergence_enabled), else the torch formula; compiled when the run compiles."""
-    from ..engine.divergence import make_divergence_score_fn
-    device = next(reference.parameters()).device
-    reference_fusions = apply_fusions(reference, device, acceleration)
+def divergence_loss_for(model: nn.Module, reference: nn.Module, acceleration: Acceleration,
+                        batching_setting: str) -> tuple[Acceleration, Optional[Callable]]:
+    """With --reference-model: what computes both models' columns, the fused kernel on CUDA
+    (fused_divergence_enabled; None: the torch formula), and the batching both forwards take."""
     fused = fused_divergence_enabled(model.lm_head.weight.device)
     acceleration = dataclasses.replace(acceleration, loss="fused divergence kernel (Triton)" if fused
                                        else "chunked projection, divergence in torch")
@@ -152,13 +148,25 @@ def divergence_score_fn_for(model: nn.Module, reference: nn.Module, acceleration
                                "backend); use --batching bucketed with this --reference-model")
         acceleration = dataclasses.replace(acceleration, batching="bucketed", batching_reason=(
             "bucketed (auto: the reference model cannot keep packed documents apart)"))
-    if reference_fusions.mlp_epilogue != acceleration.mlp_epilogue:   # a report line for the model under test
-        acceleration = dataclasses.replace(acceleration, mlp_epilogue=acceleration.mlp_epilogue + " (model only)")
     fused_fn = None
     if fused:
         from ..engine.fused_divergence import fused_divergence_op as fused_fn
+    return acceleration, fused_fn
+
+
+def divergence_score_fn_for(model: nn.Module, reference: nn.Module, acceleration: Acceleration,
+                            batching_setting: str, chunk_rows: int = 8192) -> tuple[Acceleration, ScoreFn]:
+    """With --reference-model: the reference gets the model's fusions, the batching one both forwards take, and
+    the scorer of both models' divergence (fastppl.engine.divergence, with divergence_loss_for's kernel); compiled
+    when the run compiles."""
+    from ..engine.divergence import make_divergence_score_fn
+    device = next(reference.parameters()).device
+    reference_fusions = apply_fusions(reference, device, acceleration)
+    acceleration, fused_fn = divergence_loss_for(model, reference, acceleration, batching_setting)
+    if reference_fusions.mlp_epilogue != acceleration.mlp_epilogue:   # a report line for the model under test
+        acceleration = dataclasses.replace(acceleration, mlp_epilogue=acceleration.mlp_epilogue + " (model only)")
     score_fn = make_divergence_score_fn(model, reference, chunk_rows, fused_fn)
     if acceleration.compiled:
-        what = "divergence-fused" if fused else "divergence"
+        what = "divergence-fused" if fused_fn is not None else "divergence"
         score_fn = compile_score_fn(score_fn, compile_cache.cache_key(model, what, reference))
     return acceleration, score_fn

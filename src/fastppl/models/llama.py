@@ -203,13 +203,21 @@ class Llama(nn.Module):
         (fastppl.models.kv_cache)."""
         if self.fused_trunk is not None and cache_step is None:
             return self.fused_trunk(self, input_ids, position_ids, document_ids)
-        B, T = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(T, device=input_ids.device)
-        x = self.embed(input_ids)
-        rope = self.rope_cos_sin(position_ids, x.dtype)                    # (T or B x T, hs) each
+        x, block_inputs = self.residual_stream(input_ids, position_ids)
         for block in self.blocks:
-            x = block(x, rope, document_ids, cache_step)
+            x = block(x, *block_inputs, document_ids, cache_step)
+        return self.final_norm(x)
+
+    def residual_stream(self, input_ids: torch.Tensor,
+                        position_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, tuple]:
+        """The forward's first part (ModelSpec's layer-major split): (B, T) ids -> the residual stream (B, T, C) and
+        what each block takes beside it (RoPE's cos and sin)."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.embed(input_ids)
+        return x, (self.rope_cos_sin(position_ids, x.dtype),)              # (T or B x T, hs) each
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x)
 
 

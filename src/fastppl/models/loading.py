@@ -258,6 +258,30 @@ def load_model(spec: str, backend: str = "auto", dtype: torch.dtype = torch.floa
     return _load_native(directory, family, config, dtype, device, index)
 
 
+def weights_bytes(spec: str, backend: str, dtype: torch.dtype) -> Optional[int]:
+    """The bytes of a native model's parameters in dtype, from its config alone (built on the meta device, nothing
+    read or allocated); None for a model transformers runs (or a config the loader will refuse)."""
+    if backend == "hf":
+        return None
+    try:
+        if spec.startswith(RANDOM_PREFIX):
+            preset = spec[len(RANDOM_PREFIX):]
+            family = spec_of_preset(preset)
+            config = family.presets[preset] if family is not None else None
+        else:
+            gguf = open_gguf(spec) if gguf_spec(spec) else None
+            hf_config = gguf.hf_config if gguf else _read_config(resolve_checkpoint_dir(spec))
+            family = spec_for_model_type(hf_config.get("model_type"))
+            config = family.config_from_hf(hf_config) if family is not None else None
+        if config is None:
+            return None
+        with torch.device("meta"), _NoInitialisation():
+            model = family.model_class(config)
+    except (NotNative, KeyError, TypeError, ValueError, AssertionError):
+        return None   # loading the model says what is wrong with it
+    return sum(p.numel() for p in model.parameters()) * dtype.itemsize
+
+
 def _native_config(directory: Path, family: ModelSpec, hf_config: dict):
     """The family's native config of config.json; NotNative passes through (the caller falls back or refuses)."""
     try:

@@ -57,7 +57,12 @@ class HFSizeKeys:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One native model family. Pattern: torchtitan's ModelSpec, gpt-fast's transformer_configs."""
+    """One native model family. Pattern: torchtitan's ModelSpec, gpt-fast's transformer_configs.
+
+    Every family's model splits the same way, which the layer-major path (fastppl.engine.streamed) runs a block at
+    a time over many batches: `x, block_inputs = model.residual_stream(input_ids, position_ids)`, then
+    `x = block(x, *block_inputs, document_ids)` for each of `model.blocks` (alike in their parameters' shapes),
+    then `model.final_norm(x)`; model.forward is that composition, so both paths compute the same."""
     name: str                                        # the family, e.g. "llama"
     model_class: type                                # config -> nn.Module with the engine's interface
     config_class: type                               # the native config dataclass
