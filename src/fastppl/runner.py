@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from .accel.apply import (Acceleration, apply_fusions, choose_acceleration, choose_tuning, divergence_loss_for,
-                          divergence_score_fn_for, score_fn_for, tuned_products)
+                          divergence_score_fn_for, score_fn_for, streamed_split, tuned_products)
 from .accel.batch_size import MAX_AUTO_BATCH, auto_batch_size, scoring_memory_bound
 from .accel.compile import allow_shapes, compile_score_fn
 from .config import EvalConfig
@@ -180,9 +180,11 @@ class Runner:
                 raise FastpplError("--placement streamed runs fastppl's native model families block by block; this "
                                    "model runs through transformers: use --placement resident")
         self.host_memory = ", ".join(dict.fromkeys(rest_in_host_memory(m, run.device) for m in self.models))
-        self.trunks = [StreamedTrunk(model, run.device) for model in self.models]
         acceleration = dataclasses.replace(self._choose_acceleration(self.model, plan, "off"),
                                            compile_reason="off (the streamed path runs its blocks eager)")
+        splits = [streamed_split(model, run.device, acceleration) for model in self.models]
+        self.trunks = [StreamedTrunk(model, run.device, split) for model, (split, _) in zip(self.models, splits)]
+        acceleration = splits[0][1]
         if self.reference is None:
             loss_fn = make_loss_fn(self.model, config.loss_chunk_rows, acceleration.loss)
             loss_fn.gathers_scored_rows = acceleration.loss == "fused"

@@ -20,6 +20,7 @@ from ..engine.score import ScoreFn, make_score_fn
 from ..errors import FastpplError
 from ..models.attention import varlen_available
 from ..models.registry import spec_of
+from ..models.spec import PLAIN_SPLIT, LayerSplit
 from . import compile_cache, cublaslt, linear
 from .compile import compile_score_fn, model_family, use_compile
 from .fused_mlp import fuse_mlp_epilogue, unfuse_mlp_epilogue
@@ -96,8 +97,24 @@ def apply_fusions(model: nn.Module, device: torch.device, acceleration: Accelera
         if fuse_residual_norms(model):
             norms = "residual adds inside the projections (cuBLAS), bias sums in the LayerNorms (Triton)"
         elif fused_trunk_enabled() and fuse_llama_trunk(model):
-            norms = "residual adds inside the projections (cuBLAS); RMSNorm, RoPE and SwiGLU in Triton kernels"
+            norms = FUSED_TRUNK
     return dataclasses.replace(acceleration, mlp_epilogue=mlp, residual_norms=norms)
+
+
+FUSED_TRUNK = "residual adds inside the projections (cuBLAS); RMSNorm, RoPE and SwiGLU in Triton kernels"
+
+
+def streamed_split(model: nn.Module, device: torch.device,
+                   acceleration: Acceleration) -> tuple[LayerSplit, Acceleration]:
+    """The forward the layer-major path runs a block at a time: the fused Llama trunk where the resident path
+    would run it (CUDA, eager, fused_trunk_enabled), so that both compute the same; else the plain blocks. GPT-2's
+    fused norms carry the biases' sums across blocks, so its blocks stream plain."""
+    if device.type == "cuda" and not acceleration.compiled and fused_trunk_enabled():
+        from .fused_llama import fused_trunk_split
+        split = fused_trunk_split(model)
+        if split is not None:
+            return split, dataclasses.replace(acceleration, residual_norms=FUSED_TRUNK)
+    return PLAIN_SPLIT, acceleration
 
 
 def score_fn_for(model: nn.Module, acceleration: Acceleration, chunk_rows: int = 8192) -> ScoreFn:

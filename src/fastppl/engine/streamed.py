@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from ..data.batching import Batch
+from ..models.spec import PLAIN_SPLIT, LayerSplit
 from .score import DeviceBatch, DeviceSums, LossFn, accumulate, batch_on_device
 
 
@@ -102,15 +103,15 @@ class StreamedTrunk:
     """One model's final hidden states for a wave of batches, layer-major: its embeddings and final norm on the
     device, its blocks streamed."""
 
-    def __init__(self, model: nn.Module, device: torch.device):
-        self.model = model
+    def __init__(self, model: nn.Module, device: torch.device, split: LayerSplit = PLAIN_SPLIT):
+        self.model, self.split = model, split
         self.blocks = StreamedBlocks(model.blocks, device)
 
     def final_hidden(self, wave: Sequence[DeviceBatch], more_waves: bool) -> list[torch.Tensor]:
         """[(B, T, C)] of each batch of the wave; with more_waves, the next wave's first block is copied during the
         last one."""
-        model, blocks = self.model, self.blocks
-        states = [model.residual_stream(batch.input_ids, batch.packed[0] if batch.packed else None)
+        model, blocks, split = self.model, self.blocks, self.split
+        states = [split.residual_stream(model, batch.input_ids, batch.packed[0] if batch.packed else None)
                   for batch in wave]
         if blocks.step == 0:
             blocks.fetch(0, 0)
@@ -121,10 +122,10 @@ class StreamedTrunk:
                 blocks.fetch(blocks.step + 1, (layer + 1) % n_layer)
             for i, batch in enumerate(wave):   # in place: one batch's stream more than the wave's at once
                 x, block_inputs = states[i]
-                states[i] = block(x, *block_inputs, batch.document_ids), block_inputs
+                states[i] = split.block(block, x, *block_inputs, batch.document_ids), block_inputs
             blocks.release(blocks.step)
             blocks.step += 1
-        return [model.final_norm(x) for x, _ in states]
+        return [split.final_norm(model, x) for x, _ in states]
 
 
 def plan_waves(plans: Sequence, hidden_bytes: Callable[[object], int], capacity: int) -> list[list]:

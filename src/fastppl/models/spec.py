@@ -32,6 +32,20 @@ class LlamaTrunkKernels(NamedTuple):
     linear: Callable
 
 
+class LayerSplit(NamedTuple):
+    """A forward in the three parts that the layer-major path (fastppl.engine.streamed) runs apart:
+    residual_stream(model, input_ids, position_ids) -> (x (B, T, C), block_inputs), then for each block
+    block(block, x, *block_inputs, document_ids) -> x, then final_norm(model, x) -> (B, T, C)."""
+    residual_stream: Callable
+    block: Callable
+    final_norm: Callable
+
+
+# every native model's own forward, split: model.residual_stream, its blocks, model.final_norm
+PLAIN_SPLIT = LayerSplit(lambda model, input_ids, position_ids: model.residual_stream(input_ids, position_ids),
+                         lambda block, x, *inputs: block(x, *inputs), lambda model, x: model.final_norm(x))
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The sizes that the memory bound (accel.batch_size) and the FLOP count (bench.dense) need."""
@@ -90,6 +104,8 @@ class ModelSpec:
     fused_norm_forward: Optional[Callable] = None
     # forward(model, input_ids, position_ids, document_ids, kernels=LlamaTrunkKernels): the fused-trunk forward
     fused_trunk_forward: Optional[Callable] = None
+    # kernels=LlamaTrunkKernels -> the fused-trunk forward as a LayerSplit, for the layer-major path
+    fused_trunk_split: Optional[Callable] = None
     gelu_mlp_class: Optional[type] = None            # MLP modules whose fc + tanh GELU a cuBLASLt epilogue can run
     fused_decode: bool = False                       # fastppl.accel.fused_decode's Triton decode step applies
 
