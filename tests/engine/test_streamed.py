@@ -182,3 +182,27 @@ def test_waves_keep_the_batches_order_and_fit_the_capacity():
     assert waves == [[3, 3], [2], [5, 1], [4]]
     assert plan_waves(sizes, lambda size: size, capacity=100) == [sizes]
     assert plan_waves([], lambda size: size, capacity=1) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("model", ["random:llama-tiny", "random:qwen3-tiny", "random:gpt2-tiny"])
+def test_on_cuda_streamed_from_pinned_memory_equals_resident(model, text, tokenizer_dir, tmp_path):
+    """bf16 on a GPU: the copies run on a side stream from pinned memory; Llama's fused trunk and every family's
+    fused loss run in both placements, bit for bit. GPT-2's fused norms carry bias sums across blocks, so its
+    blocks stream plain: within bf16's rounding of the resident fused forward."""
+    settings = dict(model=model, data=[str(text)], tokenizer=str(tokenizer_dir), ctx=48, batch_size=3,
+                    per_token=str(tmp_path / "t.npy"), device="cuda", dtype="bf16", quiet=True)
+    resident = evaluate(EvalConfig(**settings))
+    with pytest.raises(FastpplError, match="cannot hold one wave") as refused:
+        evaluate(EvalConfig(**settings, placement="streamed", max_gpu_memory=1))
+    least = memory_size(re.search(r"at least (\S+?)(,|$)", str(refused.value)).group(1), "limit") + 2**16
+    streamed = evaluate(EvalConfig(**settings, placement="streamed", max_gpu_memory=least))
+    assert streamed["streaming"]["waves"] > 1 and streamed["streaming"]["host_memory"] == "pinned"
+    assert 0 <= streamed["streaming"]["copy_seconds_hidden"] <= streamed["streaming"]["copy_seconds"]
+    if model == "random:gpt2-tiny":
+        assert abs(streamed["nll_sum"] / resident["nll_sum"] - 1) < 1e-3
+    else:
+        assert streamed["residual_norms"] == resident["residual_norms"]
+        assert streamed["nll_sum"] == resident["nll_sum"]
+        assert np.array_equal(streamed.per_token, resident.per_token, equal_nan=True)
