@@ -87,7 +87,8 @@ def choose_placement(config: EvalConfig, device: torch.device, dtype: torch.dtyp
             needed = None if reference is None else needed + reference
     if needed is None:
         why = "no --max-gpu-memory off CUDA" if capacity is None else "the model runs through transformers"
-        return Placement("resident", f"{config.placement}: resident ({why})", config.max_gpu_memory)
+        reason = "--placement resident" if config.placement == "resident" else f"auto: resident ({why})"
+        return Placement("resident", reason, config.max_gpu_memory)
     fits = needed <= RESIDENT_SHARE * capacity
     if config.placement == "resident":
         if not fits:
