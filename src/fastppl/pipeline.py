@@ -71,11 +71,13 @@ def evaluate(config: EvalConfig, reuse: Optional[Reuse] = None) -> EvalResult:
     encoding = InBackground(lambda: encode_once(reuse, corpus_key, documents, tokenizer), "fastppl-tokenize")
     # where the weights rest (fastppl.runner): on the device, or in host memory for the streamed path
     placement = choose_placement(config, device, run.dtype)
-    load_device, reference_device = placement.load_device(device), placement.load_device(reference_device)
-    model = reuse.model("model", (config.model, config.backend, run.dtype, config.seed, str(load_device)),
-                        lambda: load_model(config.model, config.backend, run.dtype, config.seed, load_device))
-    reference = reuse.model("reference", reference_identity(config, run.dtype, reference_device),
-                            lambda: load_reference(config, run.dtype, reference_device)) \
+    model = reuse.model("model", (config.model, config.backend, run.dtype, config.seed, str(device),
+                                  placement.streamed),
+                        lambda: load_model(config.model, config.backend, run.dtype, config.seed, device,
+                                           placement.streamed))
+    reference = reuse.model("reference", (*reference_identity(config, run.dtype, reference_device),
+                                          placement.streamed),
+                            lambda: load_reference(config, run.dtype, reference_device, placement.streamed)) \
         if config.reference_model else None
     if reference is not None:   # loaded now or kept from an earlier run of a table: checked against this model
         own = reuse.tokenizer(("reference", config.reference_model),

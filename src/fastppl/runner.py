@@ -57,9 +57,9 @@ class Placement:
     reason: str
     limit: Optional[int]      # --max-gpu-memory in bytes; None: the device's own memory
 
-    def load_device(self, device: torch.device) -> torch.device:
-        """Where the weights are read to: the device, or host memory for the streamed path."""
-        return torch.device("cpu") if self.name == "streamed" else device
+    @property
+    def streamed(self) -> bool:
+        return self.name == "streamed"
 
 
 def device_capacity(config: EvalConfig, device: torch.device) -> tuple[Optional[int], str]:
@@ -111,6 +111,9 @@ def rest_in_host_memory(model: nn.Module, device: torch.device) -> str:
         model.to(device)
     finally:
         model.blocks = blocks
+    if getattr(model, "stored_blocks", None) is not None:
+        return f"the checkpoint's stored (quantized) blocks on the {device.type} device, decoded a block at a time"
+    blocks.to("cpu")   # random weights were drawn on the device
     if device.type != "cuda":
         return "host memory (the device's own)"
     try:
@@ -144,7 +147,7 @@ class Runner:
 
     @property
     def streamed(self) -> bool:
-        return self.placement.name == "streamed"
+        return self.placement.streamed
 
     @property
     def models(self) -> list[nn.Module]:
@@ -212,6 +215,7 @@ class Runner:
             in_blocks = {id(p) for p in trunk.model.blocks.parameters()}
             rest = {id(p): p for p in trunk.model.parameters() if id(p) not in in_blocks}
             kept += tensor_bytes(rest.values()) + 2 * trunk.blocks.block_bytes
+            kept += sum(block.stored_bytes for block in trunk.blocks.stored or ())
         return kept
 
     def _working_bytes(self, rows: int, seq_len: int) -> float:

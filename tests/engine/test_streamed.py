@@ -1,7 +1,8 @@
 """The streamed placement (fastppl.runner, fastppl.engine.streamed): the windows scored layer-major, in waves under a
 --max-gpu-memory limit, give the resident path's per-token NLL and sums bit for bit at the same batch shapes, for
 each native family, for packed documents, for a GGUF file, a compressed-tensors checkpoint and a divergence run,
-whatever the wave size; auto streams where the weights do not fit; bad limits are one line."""
+whatever the wave size (quantized blocks kept in their stored form and decoded a block at a time); auto streams
+where the weights do not fit; bad limits are one line."""
 import json
 import re
 
@@ -34,9 +35,9 @@ def smallest_limit(**settings) -> int:
     return memory_size(re.search(r"at least (\S+?)(,|$)", str(refused.value)).group(1), "limit") + 2**14
 
 
-def assert_streamed_equals_resident(columns_key: str = "per_token", **settings) -> list[int]:
+def assert_streamed_equals_resident(**settings) -> dict:
     """Resident once, streamed at wave limits from the smallest to one wave: equal per-token values and sums,
-    bit for bit. Returns the number of waves of each streamed run."""
+    bit for bit. Returns the last streamed run's report."""
     resident = run(**settings)
     assert resident["placement"] == "resident" and resident["streaming"] is None
     least = smallest_limit(**settings)
@@ -53,7 +54,7 @@ def assert_streamed_equals_resident(columns_key: str = "per_token", **settings) 
         assert streamed["streaming"]["bytes_streamed"] > 0
         assert streamed["streaming"]["bytes_streamed"] % (waves[-1] * n_layer) == 0   # every block once a wave
     assert waves[0] > waves[1] > waves[2] == 1, waves
-    return waves
+    return streamed
 
 
 @pytest.mark.parametrize("model", ["random:gpt2-tiny", "random:llama-tiny", "random:qwen3-tiny"])
@@ -89,8 +90,9 @@ def test_a_gguf_file_streamed_equals_resident(tmp_path, shakespeare):
     path = tmp_path / "tiny.gguf"   # its matrices stored as Q8_0, F16, Q4_0 and F32, unlike from block to block
     gguf_tests._write_llama_family(path, original, "llama", gguf_tests._tiny_bpe(shakespeare))
     (tmp_path / "text.txt").write_text(shakespeare.read_text()[:3000])
-    assert_streamed_equals_resident(model=str(path), data=[str(tmp_path / "text.txt")], ctx=32, batch_size=2,
-                                    per_token=str(tmp_path / "t.npy"))
+    streamed = assert_streamed_equals_resident(model=str(path), data=[str(tmp_path / "text.txt")], ctx=32,
+                                               batch_size=2, per_token=str(tmp_path / "t.npy"))
+    assert streamed["streaming"]["host_memory"].startswith("the checkpoint's stored (quantized) blocks")
 
 
 def test_a_compressed_tensors_checkpoint_streamed_equals_resident(tmp_path, shakespeare):
@@ -100,8 +102,9 @@ def test_a_compressed_tensors_checkpoint_streamed_equals_resident(tmp_path, shak
     compressed_tests._write(checkpoint, *compressed_tests.SCHEMES["int4-group-symmetric"])
     gguf_tests._tiny_bpe(shakespeare).save(str(checkpoint / "tokenizer.json"))   # its 400 ids fit the model's
     (tmp_path / "text.txt").write_text(shakespeare.read_text()[:3000])
-    assert_streamed_equals_resident(model=str(checkpoint), data=[str(tmp_path / "text.txt")], ctx=32, batch_size=2,
-                                    per_token=str(tmp_path / "t.npy"))
+    streamed = assert_streamed_equals_resident(model=str(checkpoint), data=[str(tmp_path / "text.txt")], ctx=32,
+                                               batch_size=2, per_token=str(tmp_path / "t.npy"))
+    assert streamed["streaming"]["host_memory"].startswith("the checkpoint's stored (quantized) blocks")
 
 
 @pytest.fixture(scope="module")

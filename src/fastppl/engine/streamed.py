@@ -30,17 +30,24 @@ def tensor_bytes(tensors) -> int:
 
 
 class StreamedBlocks:
-    """A model's blocks resting in host memory, brought to the device a block at a time into two reused buffers.
-    Step k of the run (block k % n_layer of a wave) uses buffer k % 2: fetch(k + 1) copies the next block into the
-    other buffer, after the step that used it last is done (release), while step k computes."""
+    """A model's blocks brought to the device a block at a time into two reused buffers: copied from host memory,
+    or (stored, a quantized checkpoint's StoredBlocks, already on the device) decoded there. Step k of the run
+    (block k % n_layer of a wave) uses buffer k % 2: fetch(k + 1) fills the other buffer with the next block, after
+    the step that used it last is done (release), while step k computes."""
 
-    def __init__(self, blocks: nn.ModuleList, device: torch.device):
+    def __init__(self, blocks: nn.ModuleList, device: torch.device, dtype: torch.dtype,
+                 stored: Optional[list] = None):
+        self.stored = stored
         self.host = [list(block.parameters()) for block in blocks]
         shapes = {tuple(tuple(p.shape) for p in params) for params in self.host}
         assert len(shapes) == 1, "the layer-major path needs blocks of one shape"
-        self.buffers = [copy.deepcopy(blocks[0]).to(device).requires_grad_(False) for _ in range(2)]
+        def buffer() -> nn.Module:   # stored blocks leave the model's on the meta device: only their shapes
+            block = copy.deepcopy(blocks[0])
+            return (block.to_empty(device=device) if stored is not None else block).to(device, dtype)
+        self.buffers = [buffer().requires_grad_(False) for _ in range(2)]
         self.buffer_parameters = [list(buffer.parameters()) for buffer in self.buffers]
-        self.block_bytes = tensor_bytes(self.host[0])
+        self.named_buffer_parameters = [dict(buffer.named_parameters()) for buffer in self.buffers]
+        self.block_bytes = tensor_bytes(self.buffer_parameters[0])
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.copied: list = [None, None]     # per buffer: the event of its last copy's end (CUDA)
@@ -49,11 +56,10 @@ class StreamedBlocks:
         self.copy_seconds, self.bytes_streamed, self.step = 0.0, 0, 0
 
     def fetch(self, step: int, layer: int) -> None:
-        slot, sources = step % 2, self.host[layer]
-        if not self.cuda:   # one device: a plain copy, nothing to overlap
+        slot = step % 2
+        if not self.cuda:   # one device: nothing to overlap
             started = time.perf_counter()
-            for target, source in zip(self.buffer_parameters[slot], sources):
-                target.copy_(source)
+            self._fill(slot, layer)
             self.copy_seconds += time.perf_counter() - started
         else:
             with torch.cuda.stream(self.copy_stream):
@@ -61,12 +67,18 @@ class StreamedBlocks:
                     self.copy_stream.wait_event(self.released[slot])
                 begin, end = _timing_event(), _timing_event()
                 begin.record()
-                for target, source in zip(self.buffer_parameters[slot], sources):
-                    target.copy_(source, non_blocking=True)
+                self._fill(slot, layer)
                 end.record()
             self.copied[slot] = end
             self.copy_events.append((begin, end))
         self.bytes_streamed += self.block_bytes
+
+    def _fill(self, slot: int, layer: int) -> None:
+        if self.stored is not None:
+            self.stored[layer].fill(self.named_buffer_parameters[slot])
+            return
+        for target, source in zip(self.buffer_parameters[slot], self.host[layer]):
+            target.copy_(source, non_blocking=True)
 
     def take(self, step: int) -> nn.Module:
         """The buffer of this step, once its copy is done. The compute stream's wait is timed: the copying it did
@@ -105,7 +117,8 @@ class StreamedTrunk:
 
     def __init__(self, model: nn.Module, device: torch.device, split: LayerSplit = PLAIN_SPLIT):
         self.model, self.split = model, split
-        self.blocks = StreamedBlocks(model.blocks, device)
+        dtype = model.lm_head.weight.dtype
+        self.blocks = StreamedBlocks(model.blocks, device, dtype, getattr(model, "stored_blocks", None))
 
     def final_hidden(self, wave: Sequence[DeviceBatch], more_waves: bool) -> list[torch.Tensor]:
         """[(B, T, C)] of each batch of the wave; with more_waves, the next wave's first block is copied during the
