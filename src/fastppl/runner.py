@@ -101,6 +101,10 @@ def choose_placement(config: EvalConfig, device: torch.device, dtype: torch.dtyp
                      config.max_gpu_memory)
 
 
+def pinned(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.pin_memory()
+
+
 def rest_in_host_memory(model: nn.Module, device: torch.device) -> str:
     """The model's blocks stay in host memory, pinned on CUDA (copies at the bus' speed, beside compute); the rest
     of it goes to the device. Returns how the blocks rest, for the report; pinning that fails leaves them in
@@ -112,19 +116,19 @@ def rest_in_host_memory(model: nn.Module, device: torch.device) -> str:
     finally:
         model.blocks = blocks
     if getattr(model, "stored_blocks", None) is not None:
-        return f"the checkpoint's stored (quantized) blocks on the {device.type} device, decoded a block at a time"
+        return f"the {device.type} device in their stored (quantized) form, decoded a block at a time"
     blocks.to("cpu")   # random weights were drawn on the device
     if device.type != "cuda":
         return "host memory (the device's own)"
     try:
         for parameter in blocks.parameters():
             if not parameter.is_pinned():
-                parameter.data = parameter.data.pin_memory()
+                parameter.data = pinned(parameter.data)
     except RuntimeError as error:
         print(f"fastppl: warning: pinning the weights in host memory failed ({first_line(error)}); the blocks are "
               "copied from pageable memory, at a lower speed", file=sys.stderr)
-        return f"pageable (pinning failed: {first_line(error)})"
-    return "pinned"
+        return f"pageable host memory (pinning failed: {first_line(error)})"
+    return "pinned host memory"
 
 
 @dataclass
@@ -141,7 +145,7 @@ class Runner:
     def __init__(self, run: Run, placement: Placement, model: nn.Module, reference: Optional[nn.Module] = None):
         self.run, self.placement, self.model, self.reference = run, placement, model, reference
         self.trunks: list[StreamedTrunk] = []
-        self.host_memory: Optional[str] = None
+        self.blocks_rest_in: Optional[str] = None
         self.waves = 0
         self.prepared: Optional[Prepared] = None
 
@@ -183,7 +187,7 @@ class Runner:
             if spec_of(model) is None:
                 raise FastpplError("--placement streamed runs fastppl's native model families block by block; this "
                                    "model runs through transformers: use --placement resident")
-        self.host_memory = ", ".join(dict.fromkeys(rest_in_host_memory(m, run.device) for m in self.models))
+        self.blocks_rest_in = ", ".join(dict.fromkeys(rest_in_host_memory(m, run.device) for m in self.models))
         acceleration = dataclasses.replace(self._choose_acceleration(self.model, plan, "off"),
                                            compile_reason="off (the streamed path runs its blocks eager)")
         splits = [streamed_split(model, run.device, acceleration) for model in self.models]
@@ -325,7 +329,7 @@ class Runner:
                 seconds = trunk.blocks.copy_times()
                 copying, hidden = copying + seconds[0], hidden + seconds[1]
             streaming = dict(waves=self.waves, bytes_streamed=sum(t.blocks.bytes_streamed for t in self.trunks),
-                             copy_seconds=copying, copy_seconds_hidden=hidden, host_memory=self.host_memory)
+                             copy_seconds=copying, copy_seconds_hidden=hidden, blocks_rest_in=self.blocks_rest_in)
         model = self.model
         return RunRecord(
             backend=f"transformers ({model.why})" if isinstance(model, HFCausalLM) else "native",

@@ -72,7 +72,7 @@ class RunRecord:
     backend: str                                # native, or transformers and why
     placement: str                              # resident or streamed
     placement_reason: str
-    streaming: Optional[dict]                   # streamed: waves, bytes_streamed, copy_seconds(_hidden), host_memory
+    streaming: Optional[dict]                   # streamed: waves, bytes_streamed, copy_seconds(_hidden), blocks_rest_in
     document_attention: Optional[str]           # the kernel that kept packed documents apart
     document_attention_fallback: Optional[str]  # why varlen gave way to FlexAttention, if it did
 

@@ -92,7 +92,8 @@ def test_a_gguf_file_streamed_equals_resident(tmp_path, shakespeare):
     (tmp_path / "text.txt").write_text(shakespeare.read_text()[:3000])
     streamed = assert_streamed_equals_resident(model=str(path), data=[str(tmp_path / "text.txt")], ctx=32,
                                                batch_size=2, per_token=str(tmp_path / "t.npy"))
-    assert streamed["streaming"]["host_memory"].startswith("the checkpoint's stored (quantized) blocks")
+    assert streamed["streaming"]["blocks_rest_in"] == "the cpu device in their stored (quantized) form, decoded a " \
+        "block at a time"
 
 
 def test_a_compressed_tensors_checkpoint_streamed_equals_resident(tmp_path, shakespeare):
@@ -104,7 +105,8 @@ def test_a_compressed_tensors_checkpoint_streamed_equals_resident(tmp_path, shak
     (tmp_path / "text.txt").write_text(shakespeare.read_text()[:3000])
     streamed = assert_streamed_equals_resident(model=str(checkpoint), data=[str(tmp_path / "text.txt")], ctx=32,
                                                batch_size=2, per_token=str(tmp_path / "t.npy"))
-    assert streamed["streaming"]["host_memory"].startswith("the checkpoint's stored (quantized) blocks")
+    assert streamed["streaming"]["blocks_rest_in"] == "the cpu device in their stored (quantized) form, decoded a " \
+        "block at a time"
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +203,7 @@ def test_on_cuda_streamed_from_pinned_memory_equals_resident(model, text, tokeni
         evaluate(EvalConfig(**settings, placement="streamed", max_gpu_memory=1))
     least = memory_size(re.search(r"at least (\S+?)(,|$)", str(refused.value)).group(1), "limit") + 2**16
     streamed = evaluate(EvalConfig(**settings, placement="streamed", max_gpu_memory=least))
-    assert streamed["streaming"]["waves"] > 1 and streamed["streaming"]["host_memory"] == "pinned"
+    assert streamed["streaming"]["waves"] > 1 and streamed["streaming"]["blocks_rest_in"] == "pinned host memory"
     assert 0 <= streamed["streaming"]["copy_seconds_hidden"] <= streamed["streaming"]["copy_seconds"]
     if model == "random:gpt2-tiny":
         assert abs(streamed["nll_sum"] / resident["nll_sum"] - 1) < 1e-3
@@ -209,3 +211,33 @@ def test_on_cuda_streamed_from_pinned_memory_equals_resident(model, text, tokeni
         assert streamed["residual_norms"] == resident["residual_norms"]
         assert streamed["nll_sum"] == resident["nll_sum"]
         assert np.array_equal(streamed.per_token, resident.per_token, equal_nan=True)
+
+
+def test_a_model_transformers_runs_is_not_streamed(text, tokenizer_dir, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.for_model("opt", vocab_size=50304, hidden_size=16, num_hidden_layers=1, ffn_dim=32,
+                                  num_attention_heads=2, word_embed_proj_dim=16, max_position_embeddings=64)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "opt")
+    with pytest.raises(FastpplError, match="model runs through transformers: use --placement resident") as refused:
+        run(model=str(tmp_path / "opt"), data=[str(text)], tokenizer=str(tokenizer_dir), ctx=32,
+            placement="streamed")
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no CUDA device")
+def test_on_cuda_blocks_that_cannot_be_pinned_stream_from_pageable_memory_with_one_warning(text, tokenizer_dir,
+                                                                                          monkeypatch, capsys):
+    import fastppl.runner as runner
+
+    def refused(tensor):
+        raise RuntimeError("cannot pin: out of host memory")
+    settings = dict(model="random:llama-tiny", data=[str(text)], tokenizer=str(tokenizer_dir), ctx=48, batch_size=3,
+                    device="cuda", dtype="bf16", quiet=True)
+    resident = evaluate(EvalConfig(**settings))
+    monkeypatch.setattr(runner, "pinned", refused)
+    streamed = evaluate(EvalConfig(**settings, placement="streamed"))
+    assert streamed["streaming"]["blocks_rest_in"].startswith("pageable host memory (pinning failed: cannot pin")
+    assert streamed["nll_sum"] == resident["nll_sum"]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "pinning the weights" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("fastppl: warning: ")

@@ -162,7 +162,7 @@ class StreamingRecord:
     bytes_streamed: int
     copy_seconds: float
     copy_seconds_hidden: float
-    host_memory: str          # pinned, or pageable and why
+    blocks_rest_in: str       # pinned host memory, pageable and why, or the device in stored form
 
 
 @torch.inference_mode()

@@ -122,7 +122,7 @@ class HowItRan:
     backend: str                                # native, or transformers and why
     placement: str                              # where the weights rested: resident or streamed (fastppl.runner)
     placement_reason: str
-    streaming: Optional[dict]                   # streamed: waves, bytes_streamed, copy_seconds(_hidden), host_memory
+    streaming: Optional[dict]                   # streamed: waves, bytes_streamed, copy_seconds(_hidden), blocks_rest_in
     compile: str
     mlp_epilogue: str
     residual_norms: str
