@@ -299,7 +299,7 @@ def score(run: Run, runner: Runner, windows: Windows, batches: Batches, fingerpr
     on_batch = batch_hook(run, plan, plans_here, progress, checkpointer, sums, start_batch)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    scoring = runner.score(windows, plans_here[start_batch:], batches.size, sums, on_batch, progress.advance,
+    scoring = runner.score(windows, batches, plans_here[start_batch:], sums, on_batch, progress.advance,
                            resumable=checkpointer is not None)
     batch_size_reason = batches.reason
     if scoring.backed_off_to:

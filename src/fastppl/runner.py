@@ -39,7 +39,7 @@ from .models.attention import document_attention_backend, varlen_failure
 from .models.hf_backend import HFCausalLM
 from .models.loading import weights_bytes
 from .models.registry import spec_of
-from .stages import Prepared, Run, RunRecord, Windows
+from .stages import Batches, Prepared, Run, RunRecord, Windows
 
 # auto keeps a model resident where its weights take at most this share of the device's memory: the rest holds a
 # batch's activations
@@ -286,14 +286,15 @@ class Runner:
                 longest * rows, plan.stream_ids, plan.target_offsets, rows, ctx)], probe_sums, run.device),
             len(refs), run.device, bound=bound)
 
-    def score(self, windows: Windows, plans: list[BatchPlan], batch_size: int, sums: DeviceSums,
+    def score(self, windows: Windows, batches: Batches, plans: list[BatchPlan], sums: DeviceSums,
               on_batch: Callable, on_step: Callable[[int], None], resumable: bool) -> ScoringRun:
-        """Every batch of this rank scored into sums, by the scorer prepared: the cached sliding windows, the
-        planned batches one at a time (out of memory: the failing batch split by rows and scored again, unless
-        the run is resumable, whose checkpoints count whole batches), or layer-major in waves."""
+        """plans (this rank's of the batches, those not yet scored) scored into sums, by the scorer prepared: the
+        cached sliding windows, the planned batches one at a time (out of memory: the failing batch split by rows
+        and scored again, unless the run is resumable, whose checkpoints count whole batches), or layer-major in
+        waves."""
         run, config, prepared, plan = self.run, self.run.config, self.prepared, windows.plan
         if prepared.acceleration.compiled:
-            allow_shapes(len({(p.n_rows, p.seq_len) for p in plans}))
+            allow_shapes(len({(p.n_rows, p.seq_len) for p in batches.plans}))
         build = lambda p: batch_from_plan(p, plan.refs, plan.stream_ids, plan.target_offsets)  # noqa: E731
         if self.streamed:
             waves = self.waves_of(plans)
@@ -311,7 +312,7 @@ class Runner:
                 # each window runs over its new tokens only (fastppl.engine.cached_sliding)
                 score_cached_sliding(
                     self.model, plan.refs, plan.stream_ids, plan.target_offsets, windows.ctx,
-                    sliding_stride(config.stride, windows.ctx), batch_size, sums, run.device, on_step=on_step,
+                    sliding_stride(config.stride, windows.ctx), batches.size, sums, run.device, on_step=on_step,
                     compile_fn=compile_score_fn if prepared.acceleration.compiled else None,
                     chunk_rows=config.loss_chunk_rows, document_starts=plan.document_starts)
             else:
