@@ -232,8 +232,14 @@ class Runner:
                                         attention_scores=scores).total(rows) for m in self.models)
 
     def _hidden_bytes(self, rows: int, seq_len: int) -> int:
-        width = sum(spec_of(m).shape(m.config).width for m in self.models)
-        return rows * seq_len * width * self.run.dtype.itemsize
+        """A batch's residual streams kept through a wave, and a rotary family's cos and sin (fp32, at most one
+        row per position)."""
+        per_position = 0
+        for model in self.models:
+            spec, shape = spec_of(model), spec_of(model).shape(model.config)
+            per_position += shape.width * self.run.dtype.itemsize + (8 * shape.q_width // shape.n_head
+                                                                     if spec.rotary else 0)
+        return rows * seq_len * per_position
 
     def _fits(self, limit: int, rows: int, seq_len: int) -> bool:
         return self._kept_bytes() + self._working_bytes(rows, seq_len) + self._hidden_bytes(rows, seq_len) <= limit

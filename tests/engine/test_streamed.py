@@ -41,7 +41,7 @@ def assert_streamed_equals_resident(**settings) -> dict:
     resident = run(**settings)
     assert resident["placement"] == "resident" and resident["streaming"] is None
     least = smallest_limit(**settings)
-    hidden_bytes = 64 * 4 * settings["ctx"] * settings["batch_size"]   # one batch's hidden states (width 64, fp32)
+    hidden_bytes = 64 * 4 * settings["ctx"] * settings["batch_size"]   # one batch's residual streams (width 64, fp32)
     waves = []
     for limit in (least, least + 3 * hidden_bytes, 2**40):
         streamed = run(placement="streamed", max_gpu_memory=limit, **settings)
@@ -241,3 +241,20 @@ def test_on_cuda_blocks_that_cannot_be_pinned_stream_from_pageable_memory_with_o
     assert streamed["nll_sum"] == resident["nll_sum"]
     warnings = [line for line in capsys.readouterr().err.splitlines() if "pinning the weights" in line]
     assert len(warnings) == 1 and warnings[0].startswith("fastppl: warning: ")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no CUDA device")
+def test_on_cuda_a_gguf_streamed_from_its_quantized_blocks_on_the_gpu_equals_resident(tmp_path, shakespeare):
+    gguf_tests = pytest.importorskip("models.test_gguf")
+    original = gguf_tests._hf_random("llama", tie_word_embeddings=False, **gguf_tests.LLAMA_SHAPE)
+    path = tmp_path / "tiny.gguf"
+    gguf_tests._write_llama_family(path, original, "llama", gguf_tests._tiny_bpe(shakespeare))
+    (tmp_path / "text.txt").write_text(shakespeare.read_text()[:3000])
+    settings = dict(model=str(path), data=[str(tmp_path / "text.txt")], ctx=32, batch_size=2, device="cuda",
+                    dtype="bf16", quiet=True, per_token=str(tmp_path / "t.npy"))
+    resident = evaluate(EvalConfig(**settings))
+    streamed = evaluate(EvalConfig(**settings, placement="streamed", max_gpu_memory="64MiB"))
+    assert streamed["streaming"]["blocks_rest_in"].startswith("the cuda device in their stored (quantized) form")
+    assert streamed["nll_sum"] == resident["nll_sum"]
+    assert np.array_equal(streamed.per_token, resident.per_token, equal_nan=True)
