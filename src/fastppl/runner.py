@@ -209,8 +209,10 @@ class Runner:
             return self.placement.limit
         if self.run.device.type != "cuda":
             return None
+        # what the run holds already (the kept weights) is counted apart; a tenth kept for what torch allocates
+        # beside the bound (cuBLAS workspaces, the allocator's fragments)
         free, _total = torch.cuda.mem_get_info(self.run.device)
-        return free + torch.cuda.memory_allocated(self.run.device)   # what the run holds already is counted below
+        return int(RESIDENT_SHARE * (free + torch.cuda.memory_reserved(self.run.device)))
 
     def _kept_bytes(self) -> int:
         """The weights the streamed path keeps on the device: all but the blocks, and two blocks' buffers."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -153,16 +152,6 @@ def plan_waves(plans: Sequence, hidden_bytes: Callable[[object], int], capacity:
         wave.append(plan)
         held += need
     return waves + [wave] if wave else waves
-
-
-@dataclass
-class StreamingRecord:
-    """What the layer-major path did, for the report."""
-    waves: int
-    bytes_streamed: int
-    copy_seconds: float
-    copy_seconds_hidden: float
-    blocks_rest_in: str       # pinned host memory, pageable and why, or the device in stored form
 
 
 @torch.inference_mode()
