@@ -476,3 +476,22 @@ def test_a_rank_failing_in_the_batch_size_probe_stops_the_other_with_one_line(tm
     assert rank0.stderr.strip() == ("fastppl: error: rank 1 failed: injected failure in the batch-size probe on "
                                     "rank 1 (FASTPPL_FAULT)"), rank0.stderr
     assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.slow
+def test_two_ranks_streamed_equal_one_process_resident(tmp_path, tokenizer_dir):
+    """Under torchrun each rank streams over its own batches, in waves of its own; the merged sums are one
+    resident process'."""
+    cases = _cases(tmp_path, tokenizer_dir)
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    streamed = ["--placement", "streamed", "--max-gpu-memory", "300MiB"]
+    names = ("chunked", "docs_sliding")
+    for name in names:
+        assert main(cases[name] + _outputs(one, name)) == 0
+    run_cli_jobs_on_two_ranks([(cases[name] + streamed + _outputs(two, name), 0) for name in names], tmp_path,
+                              timeout=180)
+    for name in names:
+        _assert_same(one, two, name)
+        assert json.loads((two / f"{name}.json").read_text())["placement"] == "streamed"

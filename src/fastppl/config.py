@@ -16,6 +16,7 @@ WINDOW_MODES = ("chunked", "sliding")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 BACKENDS = ("auto", "native", "hf")
 BATCHING_SETTINGS = ("auto", "packed", "bucketed", "padded")
+PLACEMENTS = ("auto", "resident", "streamed")
 MIN_BOOTSTRAP = 100
 # more resamples move the interval's ends by less than their own sampling error, and hold more memory
 MAX_BOOTSTRAP = 1_000_000
@@ -133,12 +134,16 @@ class EvalConfig:
     reference_model: Optional[str] = None   # divergence of --model from this one, see fastppl.reference
     reference_seed: Optional[int] = None    # seeds a random:<preset> reference; None = seed
     reference_device: Optional[str] = None  # where the reference runs; None = device
+    placement: str = "auto"             # resident | streamed (blocks from host memory, fastppl.runner) | auto
+    max_gpu_memory: Optional[int | str] = None   # bytes (or "8GiB") the run may hold on the device; None = all
 
     def __post_init__(self) -> None:
         """Every option and combination of options is checked here, before anything is read or built (what only
         the model or the corpus can tell is checked where that becomes known: check_ctx with the model's maximum
         context); then the defaults that depend on other options are resolved."""
         try:
+            if isinstance(self.max_gpu_memory, str):
+                self.max_gpu_memory = memory_size(self.max_gpu_memory, "--max-gpu-memory")
             check_options(self)
             check_ctx(self, self.ctx)
         except FastpplError as e:
@@ -160,7 +165,7 @@ CHOICES = (("--window", "window", WINDOW_MODES), ("--dtype", "dtype", DTYPES), (
            ("--split", "split", ("train", "val", "all")), ("--errors", "errors", ("strict", "replace")),
            ("--compile", "compile", ("auto", "on", "off")), ("--tune-products", "tune_products", ("on", "off")),
            ("--kv-cache", "kv_cache", ("auto", "on", "off")), ("--loss", "loss", ("auto", "chunked", "fused")),
-           ("--batching", "batching", BATCHING_SETTINGS))
+           ("--batching", "batching", BATCHING_SETTINGS), ("--placement", "placement", PLACEMENTS))
 
 
 # ------------------------------------------------------------------- an option's name in an error message
@@ -223,6 +228,7 @@ def check_options(config: EvalConfig) -> None:
     _check_named_corpora(config)
     _check_resume(config)
     _check_reference(config)
+    _check_placement(config)
 
 
 def check_ctx(config: EvalConfig, ctx: Optional[int]) -> None:
@@ -376,3 +382,31 @@ def _check_reference(config: EvalConfig) -> None:
     if config.kv_cache == "on":
         raise FastpplError("--kv-cache on does not work with --reference-model (both models read the planned "
                            "windows whole, and cached windows read only their new tokens); drop --kv-cache on")
+
+
+def _check_placement(config: EvalConfig) -> None:
+    if config.max_gpu_memory is not None and not (isinstance(config.max_gpu_memory, int)
+                                                  and config.max_gpu_memory >= 1):
+        raise FastpplError(f"--max-gpu-memory must be a size such as 8GiB, got {config.max_gpu_memory!r}")
+    if config.placement != "streamed":
+        return
+    for flag, given, why in (
+            ("--compile on", config.compile == "on", "compiles the resident forward"),
+            ("--kv-cache on", config.kv_cache == "on", "keeps every layer's keys and values of a window at once"),
+            ("--backend hf", config.backend == "hf", "runs the model through transformers"),
+            ("--reference-device", config.reference_device is not None, "runs the reference on a device of its own")):
+        if given:
+            raise FastpplError(f"{flag} does not work with --placement streamed (it {why}, and the streamed path "
+                               f"runs a native model's blocks one at a time); drop {flag} or use --placement resident")
+
+
+SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def memory_size(value: str, flag: str) -> int:
+    """"8GiB", "8GB", "512MiB", "1.5G" or bytes -> bytes (KiB, MiB, GiB and a bare K, M, G: powers of 1024)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*", value)
+    if not match or match.group(2).lower() not in SIZE_UNITS:
+        raise FastpplError(f"{flag} must be a size such as 8GiB, 500MiB or a number of bytes, got {value!r}")
+    return int(float(match.group(1)) * SIZE_UNITS[match.group(2).lower()])

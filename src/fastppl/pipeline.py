@@ -13,24 +13,22 @@ import torch
 import torch.nn as nn
 
 from . import __version__
-from .accel.apply import (Acceleration, apply_fusions, choose_acceleration, choose_tuning,
-                          divergence_score_fn_for, score_fn_for, tuned_products)
-from .accel.batch_size import auto_batch_size, balanced_batch_size, scoring_memory_bound
-from .accel.compile import allow_shapes, compile_score_fn, finish_compiled_run
+from .accel.apply import Acceleration
+from .accel.batch_size import balanced_batch_size
+from .accel.compile import finish_compiled_run
 from .accel.context_fit import explaining_ctx
 from .accel.warm_up import start_cuda_warm_up
 from .config import EvalConfig, check_ctx, check_one_process
-from .data.batching import batch_from_plan, make_batch
 from .data.corpus import Document, Fields, check_sources_distinct, corpus_documents, corpus_sha256
-from .data.packing import BatchPlan, plan_batches, split_rows
+from .data.packing import BatchPlan, plan_batches
 from .data.protocols import PROTOCOLS, Protocol, read_protocol_corpus
 from .data.streams import WindowPlan, plan_corpus, sliding_stride, with_decoded_text
 from .data.tokenize import (Tokenizer, check_ids_in_vocabulary, default_tokenizer_name, encode_documents,
                             load_tokenizer)
 from .distributed import init_distributed, shard_plans, stop_all_on_failure
-from .engine.cached_sliding import choose_kv_cache, score_cached_sliding
+from .engine.cached_sliding import choose_kv_cache
 from .engine.precision import resolve_device, resolve_dtype
-from .engine.score import DeviceSums, ScoreFn, score_batches, score_plans
+from .engine.score import DeviceSums
 from .errors import FastpplError
 from .models import load_model
 from .models.loading import position_limit_note
@@ -40,7 +38,8 @@ from .reference import (add_divergence, check_reference_fits, check_reference_ma
 from .report.progress import Progress
 from .report.result import EvalResult, assemble_result
 from .reuse import Reuse
-from .stages import Batches, Corpus, Prepared, Run, Scored, Windows
+from .runner import Runner, choose_placement
+from .stages import Batches, Corpus, Run, RunRecord, Scored, Windows
 from .report.stats import bootstrap_unit_count, check_bootstrap_work, needs_token_sums
 from .resume import (NOT_IN_FINGERPRINT, Checkpointer, document_ids_sha256, model_files, run_fingerprint,
                      weights_digest)
@@ -70,10 +69,15 @@ def evaluate(config: EvalConfig, reuse: Optional[Reuse] = None) -> EvalResult:
     run.stage_done("load_tokenizer")
     # tokenizing needs neither the model nor the GPU: it runs beside the weights' loading and the CUDA start
     encoding = InBackground(lambda: encode_once(reuse, corpus_key, documents, tokenizer), "fastppl-tokenize")
-    model = reuse.model("model", (config.model, config.backend, run.dtype, config.seed, str(device)),
-                        lambda: load_model(config.model, config.backend, run.dtype, config.seed, device))
-    reference = reuse.model("reference", reference_identity(config, run.dtype, reference_device),
-                            lambda: load_reference(config, run.dtype, reference_device)) \
+    # where the weights rest (fastppl.runner): on the device, or in host memory for the streamed path
+    placement = choose_placement(config, device, run.dtype)
+    model = reuse.model("model", (config.model, config.backend, run.dtype, config.seed, str(device),
+                                  placement.streamed),
+                        lambda: load_model(config.model, config.backend, run.dtype, config.seed, device,
+                                           placement.streamed))
+    reference = reuse.model("reference", (*reference_identity(config, run.dtype, reference_device),
+                                          placement.streamed),
+                            lambda: load_reference(config, run.dtype, reference_device, placement.streamed)) \
         if config.reference_model else None
     if reference is not None:   # loaded now or kept from an earlier run of a table: checked against this model
         own = reuse.tokenizer(("reference", config.reference_model),
@@ -94,7 +98,8 @@ def evaluate(config: EvalConfig, reuse: Optional[Reuse] = None) -> EvalResult:
     run.stage_started = time.perf_counter()    # planning is no stage of its own: "prepare" starts here
     if dist:   # ranks that read other inputs would sum to a wrong result without a word
         dist.check_same_inputs(inputs_by_part(run, documents, corpus.digest, tokenizer, model, plan, ctx, reference))
-    prepared = accelerate(run, model, plan, reference)
+    runner = Runner(run, placement, model, reference)
+    prepared = runner.prepare(plan)
     run.stage_done("prepare")
     for thread in warm_ups:
         thread.join()   # before the first kernel (accel/warm_up.start_cuda_warm_up says why)
@@ -105,12 +110,10 @@ def evaluate(config: EvalConfig, reuse: Optional[Reuse] = None) -> EvalResult:
     # one row of ctx positions out of GPU memory: a one-line error naming the largest --ctx that fits (one model's)
     ctx_fit = dict(model=model if reference is None else None, ctx=ctx, device=run.device, dtype=run.dtype,
                    loss=prepared.acceleration.loss, chunk_rows=config.loss_chunk_rows)
-    batches = explaining_ctx(lambda: choose_batches(run, prepared.model, plan, prepared.acceleration,
-                                                    prepared.score_fn, ctx), **ctx_fit)
+    batches = explaining_ctx(lambda: choose_batches(run, runner, plan, prepared.acceleration, ctx), **ctx_fit)
     run.stage_done("choose_batch_size")
     fingerprint = resume_fingerprint(run, corpus, prepared.acceleration, batches, plan, ctx)
-    scored = explaining_ctx(lambda: score(run, prepared.model, plan, prepared.acceleration, prepared.score_fn,
-                                          batches, ctx, use_kv_cache, fingerprint), **ctx_fit)
+    scored = explaining_ctx(lambda: score(run, runner, windows, batches, fingerprint), **ctx_fit)
     run.stage_seconds["scoring"] = scored.seconds
     # how long compiling took (within scoring) and whether its code came from the cache (accel/compile_cache.py)
     prepared.acceleration.compile_reason += finish_compiled_run(prepared.score_fn, run.stage_seconds)
@@ -233,40 +236,14 @@ def tokenize(documents: list[Document], tokenizer: Tokenizer, model: nn.Module,
     return documents, tokens
 
 
-def accelerate(run: Run, model: nn.Module, plan: WindowPlan, reference: Optional[nn.Module] = None) -> Prepared:
-    """The model on its device with the run's performance transforms (fastppl.accel.apply), and its scorer (of
-    both models' divergence with a reference model)."""
-    model = model.to(run.device)
-    acceleration = choose_acceleration(
-        model, run.device, run.dtype, loss="chunked" if reference is not None else run.config.loss,
-        compile=run.config.compile,
-        batching=run.config.batching, n_scored=plan.n_scored, n_positions=plan.n_positions,
-        n_documents=len(plan.scored_documents))
-    acceleration = apply_fusions(model, run.device, acceleration)
-    if reference is not None:
-        acceleration, score_fn = divergence_score_fn_for(model, reference, acceleration, run.config.batching,
-                                                         run.config.loss_chunk_rows)
-        return Prepared(model, acceleration, score_fn)
-    return Prepared(model, acceleration, score_fn_for(model, acceleration, run.config.loss_chunk_rows))
-
-
-def choose_batches(run: Run, model: nn.Module, plan: WindowPlan, acceleration: Acceleration, score_fn: ScoreFn,
-                   ctx: int) -> Batches:
-    """--batch-size, or the most rows that fit (probed with the longest window; the fewest over ranks), then
-    the batches of the chosen batching, balanced where fewer rows pad the last batch less."""
+def choose_batches(run: Run, runner: Runner, plan: WindowPlan, acceleration: Acceleration, ctx: int) -> Batches:
+    """--batch-size, or the most rows that fit (Runner.auto_batch_size; the fewest over ranks), then the batches
+    of the chosen batching, balanced where fewer rows pad the last batch less."""
     config, refs = run.config, plan.refs
     if config.batch_size != "auto":
         size = min(config.batch_size, len(refs))
         return Batches(size, "--batch-size", plan_batches(plan.window_lengths, acceleration.batching, ctx, size))
-    probe_sums = DeviceSums.zeros(ctx, run.device)
-    longest = [refs[int(np.argmax(plan.window_lengths))]]   # every rank probes with the same window
-    # rows of ctx positions: a padded or packed row is ctx long, and a bucket's rows hold as many positions
-    bound = scoring_memory_bound(model, ctx, run.dtype.itemsize, acceleration.loss, config.loss_chunk_rows) \
-        if not config.reference_model else None   # the bound is of one model: two models' scorer is probed
-    size, reason = auto_batch_size(
-        lambda rows: score_batches(score_fn, [make_batch(longest * rows, plan.stream_ids, plan.target_offsets,
-                                                         rows, ctx)], probe_sums, run.device),
-        len(refs), run.device, bound=bound)
+    size, reason = runner.auto_batch_size(plan, ctx)
     if run.dist:
         fewest = run.dist.min_over_ranks(size)
         if fewest < size:
@@ -302,12 +279,9 @@ def resume_fingerprint(run: Run, corpus: Corpus, acceleration: Acceleration, bat
     )
 
 
-def score(run: Run, model: nn.Module, plan: WindowPlan, acceleration: Acceleration, score_fn: ScoreFn,
-          batches: Batches, ctx: int, use_kv_cache: bool, fingerprint: Optional[dict]) -> Scored:
+def score(run: Run, runner: Runner, windows: Windows, batches: Batches, fingerprint: Optional[dict]) -> Scored:
     """Every window scored into the device sums (this rank's batches; all ranks' sums after the all-reduce)."""
-    config, dist, device = run.config, run.dist, run.device
-    if acceleration.compiled:
-        allow_shapes(len({(p.n_rows, p.seq_len) for p in batches.plans}))
+    config, dist, device, plan, ctx = run.config, run.dist, run.device, windows.plan, windows.ctx
     # each rank scores its share of the batches; the batches are those of one process
     plans_here = shard_plans(batches.plans, dist.rank, dist.world_size) if dist else batches.plans
     # per-token NLL for --per-token, and for a bootstrap over the windows of a single document
@@ -325,28 +299,13 @@ def score(run: Run, model: nn.Module, plan: WindowPlan, acceleration: Accelerati
     on_batch = batch_hook(run, plan, plans_here, progress, checkpointer, sums, start_batch)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    tuning = choose_tuning(config.tune_products, model, device, run.dtype, acceleration.compiled, use_kv_cache)
+    scoring = runner.score(windows, batches, plans_here[start_batch:], sums, on_batch, progress.advance,
+                           resumable=checkpointer is not None)
     batch_size_reason = batches.reason
-    with tuned_products(model, tuning) as products:
-        started = time.perf_counter()   # after the linears are routed to the tuner
-        if use_kv_cache:
-            # each window runs over its new tokens only (fastppl.engine.cached_sliding)
-            score_cached_sliding(
-                model, plan.refs, plan.stream_ids, plan.target_offsets, ctx, sliding_stride(config.stride, ctx),
-                batches.size, sums, device, on_step=progress.advance,
-                compile_fn=compile_score_fn if acceleration.compiled else None, chunk_rows=config.loss_chunk_rows,
-                document_starts=plan.document_starts)
-        else:
-            # out of memory: the failing batch is split by rows and scored again (not with --resume, whose
-            # checkpoints count whole batches)
-            backed_off_to = score_plans(score_fn, plans_here[start_batch:],
-                                        lambda p: batch_from_plan(p, plan.refs, plan.stream_ids, plan.target_offsets),
-                                        sums, device, on_batch=on_batch, split=None if checkpointer else split_rows)
-            if backed_off_to:
-                batch_size_reason += f"; out of memory at it, later batches ran {backed_off_to} rows"
-        products_used = products()
-    return finish_scoring(run, plan, batches, sums, checkpointer, start_batch, scored_before, progress, started,
-                          batch_size_reason, products_used)
+    if scoring.backed_off_to:
+        batch_size_reason += f"; out of memory at it, later batches ran {scoring.backed_off_to} rows"
+    return finish_scoring(run, plan, batches, sums, checkpointer, start_batch, scored_before, progress,
+                          scoring.started, batch_size_reason, scoring.products, runner.record(windows))
 
 
 def batch_hook(run: Run, plan: WindowPlan, plans_here: list[BatchPlan], progress: Progress,
@@ -371,7 +330,7 @@ def batch_hook(run: Run, plan: WindowPlan, plans_here: list[BatchPlan], progress
 
 def finish_scoring(run: Run, plan: WindowPlan, batches: Batches, sums: DeviceSums,
                    checkpointer: Optional[Checkpointer], start_batch: int, scored_before: int, progress: Progress,
-                   started: float, batch_size_reason: str, products: str) -> Scored:
+                   started: float, batch_size_reason: str, products: str, record: RunRecord) -> Scored:
     """All ranks' sums, read to the host once; the finished checkpoint saved; a non-finite loss refused."""
     if run.dist:
         run.dist.all_reduce_sums(sums, plan.n_scored)
@@ -385,4 +344,4 @@ def finish_scoring(run: Run, plan: WindowPlan, batches: Batches, sums: DeviceSum
                            else "the model produced a non-finite loss in fp32; check its weights for NaN or inf")
     return Scored(sums=sums, nll_sum=nll_sum, seconds=seconds, scored_before=scored_before, start_batch=start_batch,
                   batch_size=batches.size, batch_size_reason=batch_size_reason, plans=batches.plans,
-                  products=products)
+                  products=products, record=record)

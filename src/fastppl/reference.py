@@ -71,11 +71,13 @@ def check_reference_tokenizer(config: EvalConfig, tokenizer: Tokenizer, own: Opt
             f"({tokenizer.name}): the same ids would stand for other text; compare two models of one tokenizer")
 
 
-def load_reference(config: EvalConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """The --reference-model on its device (--reference-device, else the run's), in the model's dtype; unchecked
-    (check_reference_matches checks it against each model it is a reference of)."""
+def load_reference(config: EvalConfig, dtype: torch.dtype, device: torch.device, streamed: bool = False) -> nn.Module:
+    """The --reference-model on its device (--reference-device, else the run's), in the model's dtype, or placed
+    for the streamed path as the model is (fastppl.models.load_model); unchecked (check_reference_matches checks
+    it against each model it is a reference of)."""
     seed = config.seed if config.reference_seed is None else config.reference_seed
-    return load_model(config.reference_model, config.backend, dtype, seed, device).to(device)
+    reference = load_model(config.reference_model, config.backend, dtype, seed, device, streamed)
+    return reference if streamed else reference.to(device)
 
 
 def check_reference_matches(config: EvalConfig, reference: nn.Module, model: nn.Module,

@@ -67,6 +67,17 @@ class Prepared:
 
 
 @dataclass
+class RunRecord:
+    """What ran, as the Runner (fastppl.runner) records it: the report reads this, not the models."""
+    backend: str                                # native, or transformers and why
+    placement: str                              # resident or streamed
+    placement_reason: str
+    streaming: Optional[dict]                   # streamed: waves, bytes_streamed, copy_seconds(_hidden), blocks_rest_in
+    document_attention: Optional[str]           # the kernel that kept packed documents apart
+    document_attention_fallback: Optional[str]  # why varlen gave way to FlexAttention, if it did
+
+
+@dataclass
 class Batches:
     size: int
     reason: str
@@ -85,3 +96,4 @@ class Scored:
     batch_size_reason: str
     plans: list[BatchPlan]
     products: str
+    record: RunRecord      # what ran (fastppl.runner.Runner.record)

@@ -406,6 +406,7 @@ def test_memory_bound_covers_fastppl_models_only_and_grows_with_the_row_length()
 def test_evaluate_waits_for_the_warm_up_before_the_first_kernel(monkeypatch, tmp_path, tokenizer_dir):
     import fastppl.engine.score as score
     import fastppl.pipeline as pipeline
+    import fastppl.runner as runner
     events = []
 
     class Thread:
@@ -414,9 +415,9 @@ def test_evaluate_waits_for_the_warm_up_before_the_first_kernel(monkeypatch, tmp
 
     real_score_batches = score.score_batches
     monkeypatch.setattr(pipeline, "start_cuda_warm_up", lambda device: [Thread()])
-    monkeypatch.setattr(pipeline, "score_batches",
+    monkeypatch.setattr(runner, "score_batches",
                         lambda *a, **k: (events.append("scored"), real_score_batches(*a, **k))[1])
-    monkeypatch.setattr(pipeline, "score_plans",
+    monkeypatch.setattr(runner, "score_plans",
                         lambda *a, **k: (events.append("scored"), score.score_plans(*a, **k))[1])
     text = tmp_path / "t.txt"
     text.write_text("Now is the winter of our discontent made glorious summer by this sun of York. " * 8)
@@ -455,10 +456,10 @@ def test_the_cli_starts_the_triton_warm_up_unless_on_the_cpu(monkeypatch, tmp_pa
 def test_the_memory_bound_counts_rows_of_ctx_positions(monkeypatch, tmp_path, tokenizer_dir):
     # windows shorter than ctx still run in rows of ctx positions (padded): a bound for the longest window
     # would be far too low and skip the probe into an out-of-memory
-    import fastppl.pipeline as pipeline
+    import fastppl.runner as runner
     lengths = []
-    real = pipeline.scoring_memory_bound
-    monkeypatch.setattr(pipeline, "scoring_memory_bound",
+    real = runner.scoring_memory_bound
+    monkeypatch.setattr(runner, "scoring_memory_bound",
                         lambda model, seq_len, *a: (lengths.append(seq_len), real(model, seq_len, *a))[1])
     text = tmp_path / "t.txt"
     text.write_text("Now is the winter of our discontent.")

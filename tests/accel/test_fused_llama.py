@@ -1,4 +1,4 @@
-"""The fused Llama trunk (models/llama.forward_with_fused_trunk with accel/fused_llama.py's kernels) against the
+"""The fused Llama trunk (models/llama_trunk.forward_with_fused_trunk with accel/fused_llama.py's kernels) against the
 model's own forward, and each kernel against its plain
 module, on the CPU through Triton's interpreter (conftest.py) and on a GPU where there is one. Tolerances: fp32
 within 1e-5 relative (summation order only); bf16 within 2e-2 relative on the final hidden states (one rounding
@@ -90,3 +90,24 @@ def test_qwen3_is_not_fused():
     """The fused trunk has no kernel for Qwen3's per-head q/k norms: its spec offers none, so it runs plain."""
     from fastppl.models.loading import random_native
     assert not fused_llama.fuse_llama_trunk(random_native("qwen3-tiny", 0, DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else []))
+def test_the_fused_trunk_streamed_a_block_at_a_time_equals_its_resident_forward_bit_for_bit(dtype):
+    """The layer-major path runs the fused trunk's split (fastppl.engine.streamed): two batches through each block
+    in turn, the blocks copied into two reused buffers, give the resident fused forward's hidden states exactly."""
+    from fastppl.engine.score import DeviceBatch
+    from fastppl.engine.streamed import StreamedTrunk
+    model = _model(dtype, n_layer=3, qkv_bias=True)
+    generator = torch.Generator(device=DEVICE).manual_seed(1)
+    batches = [torch.randint(0, 50257, (rows, 40), device=DEVICE, generator=generator) for rows in (3, 2)]
+    with torch.inference_mode():
+        assert fused_llama.fuse_llama_trunk(model)
+        resident = [model(ids) for ids in batches]
+        fused_llama.unfuse_llama_trunk(model)
+        trunk = StreamedTrunk(model, DEVICE, fused_llama.fused_trunk_split(model))
+        wave = [DeviceBatch(ids, None, None, None, None, None) for ids in batches]
+        streamed = trunk.final_hidden(wave, more_waves=True) + trunk.final_hidden(wave[:1], more_waves=False)
+    for got, expected in zip(streamed, resident + resident[:1]):
+        assert torch.equal(got, expected)
+    assert trunk.blocks.bytes_streamed == 2 * 3 * trunk.blocks.block_bytes   # each block once a wave

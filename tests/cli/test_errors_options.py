@@ -39,6 +39,10 @@ def test_values_that_were_silently_read_as_others(args, fragment, text, outputs,
     (["--checkpoint-batches", 3], "apply with --resume only"),     # would be silently ignored
     (["--checkpoint-seconds", 5], "apply with --resume only"),
     (["--text-field", "body"], "--text-field applies to .jsonl files and hf: datasets"),   # not ignored
+    (["--placement", "streamed", "--compile", "on"], "--compile on does not work with --placement streamed"),
+    (["--placement", "streamed", "--max-gpu-memory", "1MiB", "--ctx", 64],
+     "cannot hold one wave of 1 x 64 positions"),                  # no wave holds a batch: refused before scoring
+    (["--placement", "resident", "--max-gpu-memory", "1MiB"], "use --placement streamed"),
 ])
 def test_bad_options(extra, fragment, text, outputs, tokenizer_dir, capsys):
     _assert_user_error(*_main(capsys, _args(TINY, text, outputs, tokenizer_dir, *extra)), outputs, fragment)
@@ -51,7 +55,8 @@ def test_checkpoint_seconds_nan_is_refused():
         EvalConfig(model="random:gpt2-tiny", data=["x.txt"], checkpoint_seconds=float("nan"))
 
 
-@pytest.mark.parametrize("extra", [["--window", "rolling"], ["--split", "test"], ["--batch-size", "many"]])
+@pytest.mark.parametrize("extra", [["--window", "rolling"], ["--split", "test"], ["--batch-size", "many"],
+                                   ["--max-gpu-memory", "lots"], ["--placement", "host"]])
 def test_argparse_errors_are_one_line(extra, text, outputs, tokenizer_dir, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(_args(TINY, text, outputs, tokenizer_dir, *extra))

@@ -82,3 +82,14 @@ def test_block_protocols_print_no_word_perplexity(report):
     report.update(window="blocks")
     lines = summary(report).splitlines()
     assert "word ppl" not in "\n".join(lines) and lines[8] == f"byte ppl    {report['byte_perplexity']:.6f}"
+
+
+def test_a_streamed_run_says_its_waves_and_copies(report):
+    assert not any(line.startswith("placement") for line in summary(report).splitlines())   # resident: no line
+    report.update(placement="streamed", placement_reason="auto: the weights (140.00GiB) exceed 90% of the device's",
+                  streaming=dict(waves=3, bytes_streamed=420_000_000_000, copy_seconds=7.5, copy_seconds_hidden=7.25,
+                                 blocks_rest_in="pinned host memory"))
+    line = next(line for line in summary(report).splitlines() if line.startswith("placement"))
+    assert line == ("placement   streamed (auto: the weights (140.00GiB) exceed 90% of the device's): 3 waves, "
+                    "420.00 GB into the block buffers in 7.50 s, 7.25 s of it behind compute; the blocks rest in "
+                    "pinned host memory")

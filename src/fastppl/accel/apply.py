@@ -9,7 +9,7 @@ import dataclasses
 import inspect
 import os
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -20,6 +20,7 @@ from ..engine.score import ScoreFn, make_score_fn
 from ..errors import FastpplError
 from ..models.attention import varlen_available
 from ..models.registry import spec_of
+from ..models.spec import PLAIN_SPLIT, LayerSplit
 from . import compile_cache, cublaslt, linear
 from .compile import compile_score_fn, model_family, use_compile
 from .fused_mlp import fuse_mlp_epilogue, unfuse_mlp_epilogue
@@ -113,8 +114,24 @@ def apply_fusions(model: nn.Module, device: torch.device, acceleration: Accelera
         if fuse_residual_norms(model):
             norms = "residual adds inside the projections (cuBLAS), bias sums in the LayerNorms (Triton)"
         elif fused_trunk_enabled() and fuse_llama_trunk(model):
-            norms = "residual adds inside the projections (cuBLAS); RMSNorm, RoPE and SwiGLU in Triton kernels"
+            norms = FUSED_TRUNK
     return dataclasses.replace(acceleration, mlp_epilogue=mlp, residual_norms=norms)
+
+
+FUSED_TRUNK = "residual adds inside the projections (cuBLAS); RMSNorm, RoPE and SwiGLU in Triton kernels"
+
+
+def streamed_split(model: nn.Module, device: torch.device,
+                   acceleration: Acceleration) -> tuple[LayerSplit, Acceleration]:
+    """The forward the layer-major path runs a block at a time: the fused Llama trunk where the resident path
+    would run it (CUDA, eager, fused_trunk_enabled), so that both compute the same; else the plain blocks. GPT-2's
+    fused norms carry the biases' sums across blocks, so its blocks stream plain."""
+    if device.type == "cuda" and not acceleration.compiled and fused_trunk_enabled():
+        from .fused_llama import fused_trunk_split
+        split = fused_trunk_split(model)
+        if split is not None:
+            return split, dataclasses.replace(acceleration, residual_norms=FUSED_TRUNK)
+    return PLAIN_SPLIT, acceleration
 
 
 def score_fn_for(model: nn.Module, acceleration: Acceleration, chunk_rows: int = 8192) -> ScoreFn:
@@ -152,14 +169,10 @@ def tuned_products(model: nn.Module, tuning: cublaslt.TuningChoice) -> Iterator[
         linear.unroute_linears(model)
 
 
-def divergence_score_fn_for(model: nn.Module, reference: nn.Module, acceleration: Acceleration,
-                            batching_setting: str, chunk_rows: int = 8192) -> tuple[Acceleration, ScoreFn]:
-    """With --reference-model: the reference gets the model's fusions, the batching one both forwards take, and
-    the scorer of both models' divergence (fastppl.engine.divergence): the fused kernel on CUDA in 16-bit
-    (divergence_path), else the torch formula; compiled when the run compiles."""
-    from ..engine.divergence import make_divergence_score_fn
-    device = next(reference.parameters()).device
-    reference_fusions = apply_fusions(reference, device, acceleration)
+def divergence_loss_for(model: nn.Module, reference: nn.Module, acceleration: Acceleration,
+                        batching_setting: str) -> tuple[Acceleration, Optional[Callable]]:
+    """With --reference-model: what computes both models' columns, the fused kernel on CUDA
+    (divergence_path: in 16-bit; None: the torch formula), and the batching both forwards take."""
     fused, loss = divergence_path(model.lm_head.weight.device, model.lm_head.weight.dtype)
     acceleration = dataclasses.replace(acceleration, loss=loss)
     if acceleration.batching == "packed" and not takes_document_ids(reference):
@@ -168,13 +181,25 @@ def divergence_score_fn_for(model: nn.Module, reference: nn.Module, acceleration
                                "backend); use --batching bucketed with this --reference-model")
         acceleration = dataclasses.replace(acceleration, batching="bucketed", batching_reason=(
             "bucketed (auto: the reference model cannot keep packed documents apart)"))
-    if reference_fusions.mlp_epilogue != acceleration.mlp_epilogue:   # a report line for the model under test
-        acceleration = dataclasses.replace(acceleration, mlp_epilogue=acceleration.mlp_epilogue + " (model only)")
     fused_fn = None
     if fused:
         from ..engine.fused_divergence import fused_divergence_op as fused_fn
+    return acceleration, fused_fn
+
+
+def divergence_score_fn_for(model: nn.Module, reference: nn.Module, acceleration: Acceleration,
+                            batching_setting: str, chunk_rows: int = 8192) -> tuple[Acceleration, ScoreFn]:
+    """With --reference-model: the reference gets the model's fusions, the batching one both forwards take, and
+    the scorer of both models' divergence (fastppl.engine.divergence, with divergence_loss_for's kernel); compiled
+    when the run compiles."""
+    from ..engine.divergence import make_divergence_score_fn
+    device = next(reference.parameters()).device
+    reference_fusions = apply_fusions(reference, device, acceleration)
+    acceleration, fused_fn = divergence_loss_for(model, reference, acceleration, batching_setting)
+    if reference_fusions.mlp_epilogue != acceleration.mlp_epilogue:   # a report line for the model under test
+        acceleration = dataclasses.replace(acceleration, mlp_epilogue=acceleration.mlp_epilogue + " (model only)")
     score_fn = make_divergence_score_fn(model, reference, chunk_rows, fused_fn)
     if acceleration.compiled:
-        what = "divergence-fused" if fused else "divergence"
+        what = "divergence-fused" if fused_fn is not None else "divergence"
         score_fn = compile_score_fn(score_fn, compile_cache.cache_key(model, what, reference))
     return acceleration, score_fn

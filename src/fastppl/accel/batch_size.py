@@ -24,19 +24,21 @@ class MemoryBound:
 
 
 def scoring_memory_bound(model: nn.Module, seq_len: int, element_size: int, loss: str,
-                         chunk_rows: int) -> Optional[MemoryBound]:
+                         chunk_rows: int, attention_scores: bool = True) -> Optional[MemoryBound]:
     """An upper bound on a no-grad scoring forward's memory for fastppl's own models (None for others,
     whose batches the probe measures). Per row: the residual stream, a norm's output, q, k, v, the attention
     output and the gathered loss rows (7 model widths, 8 counted), the MLP's inner tensors (up to 3 for SwiGLU, 4
     counted), fp32 attention scores in case a math kernel runs, and the per-token fp32 outputs; the chunked
-    loss adds one chunk's logits in the model's dtype and in fp32, whatever the row count."""
+    loss adds one chunk's logits in the model's dtype and in fp32, whatever the row count. attention_scores=False
+    leaves the scores out, where the attention kernels never write them (CUDA's in half precision)."""
     from ..models.registry import spec_of
     spec = spec_of(model)
     if spec is None:
         return None
     shape = spec.shape(model.config)
     width, inner, heads, vocab = shape.width, shape.mlp_inner, shape.n_head, shape.vocab_size
-    per_row = seq_len * element_size * (8 * width + 4 * inner) + heads * seq_len ** 2 * 4 + seq_len * 8 * 8
+    per_row = seq_len * element_size * (8 * width + 4 * inner) + attention_scores * heads * seq_len ** 2 * 4 \
+        + seq_len * 8 * 8
     fixed = chunk_rows * vocab * (element_size + 2 * 4) if loss == "chunked" else 0
     return MemoryBound(BOUND_SAFETY * per_row, BOUND_SAFETY * fixed)
 

@@ -1,7 +1,6 @@
-"""The kernels of the Llama family's fused trunk (fastppl.models.llama.forward_with_fused_trunk), for an eager CUDA
-scorer. Per block, eager PyTorch
-writes and reads back: the two residual sums, the RMSNorm's fp32 copy, RoPE's halves, concatenation and products
-(for q and k), SiLU's output and the gate product. Here:
+"""The kernels of the Llama family's fused trunk (fastppl.models.llama_trunk.forward_with_fused_trunk), for an
+eager CUDA scorer. Per block, eager PyTorch writes and reads back: the two residual sums, the RMSNorm's fp32 copy,
+RoPE's halves, concatenation and products (for q and k), SiLU's output and the gate product. Here:
 
   x  += o_proj(attention)            cuBLAS adds the product into the residual stream in place (beta = 1)
   h   = rms_norm(x)                  one Triton kernel: x read once, h written
@@ -18,12 +17,13 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
 from ..models.registry import spec_of
-from ..models.spec import LlamaTrunkKernels
+from ..models.spec import LayerSplit, LlamaTrunkKernels
 from .linear import linear
 
 try:
@@ -118,15 +118,26 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+TRUNK_KERNELS = LlamaTrunkKernels(rms_norm, rotate_queries_and_keys_, swiglu, linear)
+
+
 def fuse_llama_trunk(model: nn.Module) -> bool:
     """Run the model through the fused-trunk forward its family offers (ModelSpec.fused_trunk_forward), bound to
     these kernels; False (nothing done) where none is offered or without Triton."""
     spec = spec_of(model)
     if triton is None or spec is None or spec.fused_trunk_forward is None:
         return False
-    kernels = LlamaTrunkKernels(rms_norm, rotate_queries_and_keys_, swiglu, linear)
-    model.fused_trunk = functools.partial(spec.fused_trunk_forward, kernels=kernels)
+    model.fused_trunk = functools.partial(spec.fused_trunk_forward, kernels=TRUNK_KERNELS)
     return True
+
+
+def fused_trunk_split(model: nn.Module) -> Optional[LayerSplit]:
+    """The fused-trunk forward of the model's family as a LayerSplit (for the layer-major path), bound to these
+    kernels; None where the family offers none or without Triton."""
+    spec = spec_of(model)
+    if triton is None or spec is None or spec.fused_trunk_split is None:
+        return None
+    return spec.fused_trunk_split(TRUNK_KERNELS)
 
 
 def unfuse_llama_trunk(model: nn.Module) -> None:

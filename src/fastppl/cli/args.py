@@ -40,6 +40,16 @@ def batch_size(value: str):
         raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {value!r}") from None
 
 
+def memory_size_argument(value: str) -> int:
+    """An argparse type: a size such as 8GiB (fastppl.config.memory_size)."""
+    from ..config import memory_size
+    from ..errors import FastpplError
+    try:
+        return memory_size(value, "--max-gpu-memory")
+    except FastpplError:
+        raise argparse.ArgumentTypeError(f"expected a size such as 8GiB, 500MiB or bytes, got {value!r}") from None
+
+
 def at_least(minimum: int):
     """An argparse type: an integer of at least minimum."""
     def parse(value: str) -> int:

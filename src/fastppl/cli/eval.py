@@ -7,7 +7,8 @@ from pathlib import Path
 
 from ..config import MIN_BOOTSTRAP, PROTOCOL_WINDOWS
 from ..errors import FastpplError, check_input_file, no_such
-from .args import DEVICE_HELP, FLAG_OFF, MODEL_HELP, TOKENIZER_HELP, at_least, batch_size, check_model_given, seed
+from .args import (DEVICE_HELP, FLAG_OFF, MODEL_HELP, TOKENIZER_HELP, at_least, batch_size, check_model_given,
+                   memory_size_argument, seed)
 
 DESCRIPTION = ("NLL, perplexity and bits per byte of a model over a corpus. "
                "Example: fastppl eval --model gpt2 --data tinyshakespeare --split val")
@@ -107,6 +108,13 @@ def _add_scoring_arguments(p) -> None:
                    help="sliding windows on native rotary models (Llama, Qwen2, Qwen3, Mistral): on reuses cached "
                         "keys/values (faster, but carries context from before the window; see "
                         "docs/llama-and-generation.md) (default: %(default)s, which is off)")
+    p.add_argument("--placement", default="auto", choices=["auto", "resident", "streamed"],
+                   help="where the weights rest: resident on the device, or streamed (in host memory, brought to "
+                        "the device a block at a time, the windows scored layer-major in waves); auto: resident "
+                        "where the model fits, else streamed (default: %(default)s)")
+    p.add_argument("--max-gpu-memory", metavar="SIZE", type=memory_size_argument,
+                   help="device memory the run may hold, e.g. 8GiB: the streamed waves' size, and whether auto "
+                        "streams (default: the device's memory)")
     p.add_argument("--seed", type=seed, default=0, help="seed of random:PRESET weights (default: %(default)s)")
     p.add_argument("--nproc", type=int, help="processes (GPUs) on this machine: re-runs the command under torchrun "
                                              "(default: one process)")
@@ -163,7 +171,7 @@ def config_from_args(args: argparse.Namespace, **cell):
         batching=args.batching, per_doc=args.per_doc, resume=args.resume,
         checkpoint_seconds=args.checkpoint_seconds, checkpoint_batches=args.checkpoint_batches,
         reference_model=args.reference_model, reference_seed=args.reference_seed,
-        reference_device=args.reference_device,
+        reference_device=args.reference_device, placement=args.placement, max_gpu_memory=args.max_gpu_memory,
     )
     config = EvalConfig(**{**given, **cell})
     if cell:   # one cell of a table: the names were checked with the first

@@ -122,33 +122,26 @@ def _row_sums_float64(x: torch.Tensor, elementwise=None, other: Optional[torch.T
     return torch.cat(pieces)
 
 
-def make_divergence_score_fn(model: nn.Module, reference: nn.Module, chunk_rows: int = 8192, fused_fn=None):
-    """A scorer as fastppl.engine.score.make_score_fn's, whose output is (B, T, len(COLUMNS)) fp32 (the COLUMNS, 0
-    where not scored) instead of (B, T): column 0 is the model's NLL, which every NLL sum reads. Both models read
-    the same rows (and packed rows' positions and documents). A reference on a device of its own runs its forward
-    there; its hidden states come to the model's device, where a copy of its output projection computes its
-    logits. fused_fn: what computes the columns instead of chunked_divergence (engine.fused_divergence's kernel on
-    CUDA, as accel.apply chooses), with chunked_divergence's arguments but chunk_rows."""
-    device, reference_device = model.lm_head.weight.device, reference.lm_head.weight.device
+def make_divergence_loss_fn(model: nn.Module, reference: nn.Module, chunk_rows: int = 8192, fused_fn=None):
+    """(hidden (B, T, C), reference_hidden (B, T, C'), targets, score_mask, scored_rows=None) -> (B, T,
+    len(COLUMNS)) fp32, 0 where not scored: make_divergence_score_fn's columns from both models' final hidden
+    states however they were made (the layer-major path, fastppl.engine.streamed, makes them a block at a time).
+    Both hidden states are on the model's device, where a copy of the reference's output projection is."""
+    device = model.lm_head.weight.device
     bias = getattr(model.lm_head, "bias", None)
     reference_weight = reference.lm_head.weight.to(device)
     reference_bias = getattr(reference.lm_head, "bias", None)
     reference_bias = None if reference_bias is None else reference_bias.to(device)
     chunk_rows = max(1, min(chunk_rows, CHUNK_LOGITS // model.lm_head.weight.shape[0]))
+
     def divergence(*args):
         return chunked_divergence(*args, chunk_rows) if fused_fn is None else fused_fn(*args)
 
-    def score(input_ids: torch.Tensor, targets: torch.Tensor, score_mask: torch.Tensor,
-              position_ids: Optional[torch.Tensor] = None, document_ids: Optional[DocumentIds] = None,
-              scored_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-        B, T = input_ids.shape
-        packed = () if document_ids is None else (position_ids, document_ids)
-        hidden = model(input_ids, *packed).reshape(B * T, -1)                                 # (B * T, C)
-        if reference_device == device:
-            reference_hidden = reference(input_ids, *packed)                                  # (B, T, C')
-        else:
-            reference_hidden = reference(*_moved((input_ids, *packed), reference_device)).to(device)
-        reference_hidden, targets = reference_hidden.reshape(B * T, -1), targets.reshape(B * T)
+    def divergence_of_hidden(hidden: torch.Tensor, reference_hidden: torch.Tensor, targets: torch.Tensor,
+                             score_mask: torch.Tensor, scored_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        B, T = targets.shape
+        hidden, reference_hidden = hidden.reshape(B * T, -1), reference_hidden.reshape(B * T, -1)
+        targets = targets.reshape(B * T)
         if scored_rows is None:
             values = divergence(hidden, model.lm_head.weight, reference_hidden, reference_weight, targets, bias,
                                 reference_bias)                                       # (B * T, len(COLUMNS))
@@ -158,6 +151,30 @@ def make_divergence_score_fn(model: nn.Module, reference: nn.Module, chunk_rows:
             hidden.index_select(0, scored_rows), model.lm_head.weight, reference_hidden.index_select(0, scored_rows),
             reference_weight, targets.index_select(0, scored_rows), bias, reference_bias)
         return values.new_zeros(B * T, len(COLUMNS)).index_copy_(0, scored_rows, values).view(B, T, len(COLUMNS))
+
+    return divergence_of_hidden
+
+
+def make_divergence_score_fn(model: nn.Module, reference: nn.Module, chunk_rows: int = 8192, fused_fn=None):
+    """A scorer as fastppl.engine.score.make_score_fn's, whose output is (B, T, len(COLUMNS)) fp32 (the COLUMNS, 0
+    where not scored) instead of (B, T): column 0 is the model's NLL, which every NLL sum reads. Both models read
+    the same rows (and packed rows' positions and documents). A reference on a device of its own runs its forward
+    there; its hidden states come to the model's device, where a copy of its output projection computes its
+    logits. fused_fn: what computes the columns instead of chunked_divergence (engine.fused_divergence's kernel on
+    CUDA, as accel.apply chooses), with chunked_divergence's arguments but chunk_rows."""
+    device, reference_device = model.lm_head.weight.device, reference.lm_head.weight.device
+    divergence_of_hidden = make_divergence_loss_fn(model, reference, chunk_rows, fused_fn)
+
+    def score(input_ids: torch.Tensor, targets: torch.Tensor, score_mask: torch.Tensor,
+              position_ids: Optional[torch.Tensor] = None, document_ids: Optional[DocumentIds] = None,
+              scored_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        packed = () if document_ids is None else (position_ids, document_ids)
+        hidden = model(input_ids, *packed)                                                    # (B, T, C)
+        if reference_device == device:
+            reference_hidden = reference(input_ids, *packed)                                  # (B, T, C')
+        else:
+            reference_hidden = reference(*_moved((input_ids, *packed), reference_device)).to(device)
+        return divergence_of_hidden(hidden, reference_hidden, targets, score_mask, scored_rows)
 
     # the scoring loop passes scored_rows= (fastppl.engine.score.scored_rows_of); a compiled scorer takes none
     score.gathers_scored_rows = True

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from collections import deque
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -20,10 +20,33 @@ from .loss import token_nll_fn
 
 # (input_ids, targets, score_mask[, position_ids, document_ids][, scored_rows=]) -> (B, T) NLL
 ScoreFn = Callable[..., torch.Tensor]
+# (final hidden (B, T, C)[, a reference model's final hidden], targets, score_mask, scored_rows) -> (B, T[, 5]) NLL
+LossFn = Callable[..., torch.Tensor]
 
 # batches with fewer scored positions than this share of their B*T run the loss on the scored ones only
 GATHER_BELOW = 0.97
 GATHER_MULTIPLE = 64
+
+
+def make_loss_fn(model: nn.Module, chunk_rows: int = 8192, loss: str = "chunked") -> LossFn:
+    """(hidden (B, T, C), targets (B, T), score_mask (B, T), scored_rows=None) -> (B, T) fp32 NLL, 0 where not
+    scored: the output projection and the loss of make_score_fn, on final hidden states however they were made
+    (the layer-major path, fastppl.engine.streamed, makes them a block at a time)."""
+    weight = model.lm_head.weight
+    bias = getattr(model.lm_head, "bias", None)
+    token_nll = token_nll_fn(loss, chunk_rows)
+
+    def loss_of_hidden(hidden: torch.Tensor, targets: torch.Tensor, score_mask: torch.Tensor,
+                       scored_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        B, T = targets.shape
+        hidden, targets = hidden.reshape(B * T, -1), targets.reshape(B * T)
+        if scored_rows is None:
+            nll = token_nll(hidden, weight, targets, bias)
+            return torch.where(score_mask, nll.view(B, T), 0.0)
+        nll = token_nll(hidden.index_select(0, scored_rows), weight, targets.index_select(0, scored_rows), bias)
+        return nll.new_zeros(B * T).index_copy_(0, scored_rows, nll).view(B, T)
+
+    return loss_of_hidden
 
 
 def make_score_fn(model: nn.Module, chunk_rows: int = 8192, loss: str = "chunked") -> ScoreFn:
@@ -37,26 +60,18 @@ def make_score_fn(model: nn.Module, chunk_rows: int = 8192, loss: str = "chunked
     is bit for bit the same whichever rows share its batch. The chunked loss's matmul can round a row
     differently as the number of rows changes (BLAS picks its kernel by shape), which would break equal
     results across batch sizes and process counts, so it always runs on every position."""
-    weight = model.lm_head.weight
-    bias = getattr(model.lm_head, "bias", None)
-    token_nll = token_nll_fn(loss, chunk_rows)
+    loss_of_hidden = make_loss_fn(model, chunk_rows, loss)
 
     def score(
         input_ids: torch.Tensor, targets: torch.Tensor, score_mask: torch.Tensor,
         position_ids: Optional[torch.Tensor] = None, document_ids: Optional[DocumentIds] = None,
         scored_rows: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        B, T = input_ids.shape
         if document_ids is None:
             hidden = model(input_ids)                                    # (B, T, C)
         else:
             hidden = model(input_ids, position_ids, document_ids)        # (B, T, C)
-        hidden, targets = hidden.reshape(B * T, -1), targets.reshape(B * T)
-        if scored_rows is None:
-            nll = token_nll(hidden, weight, targets, bias)
-            return torch.where(score_mask, nll.view(B, T), 0.0)
-        nll = token_nll(hidden.index_select(0, scored_rows), weight, targets.index_select(0, scored_rows), bias)
-        return nll.new_zeros(B * T).index_copy_(0, scored_rows, nll).view(B, T)
+        return loss_of_hidden(hidden, targets, score_mask, scored_rows)
 
     score.gathers_scored_rows = loss == "fused"
     return score
@@ -174,27 +189,45 @@ def accumulate(
             sums.position_kld_sum.index_add_(0, positions, kld_by_position)
 
 
+class DeviceBatch(NamedTuple):
+    """A batch's tensors on the device (fastppl.data.batching.Batch's arrays)."""
+    input_ids: torch.Tensor
+    targets: torch.Tensor
+    score_mask: torch.Tensor
+    position_ids: Optional[torch.Tensor]
+    document_ids: Optional[DocumentIds]
+    scored_rows: Optional[torch.Tensor]   # the scored positions, for a scorer that gathers them (scored_rows_of)
+
+    @property
+    def packed(self) -> tuple:
+        """What a packed batch passes to the model beside its ids (nothing for an unpacked one)."""
+        return () if self.document_ids is None else (self.position_ids, self.document_ids)
+
+
+def batch_on_device(batch: Batch, device: torch.device, gathers_scored_rows: bool = False) -> DeviceBatch:
+    document_ids = to_device(batch.document_ids, device)
+    if document_ids is not None and batch.cu_seqlens is not None:
+        # the same documents as segments too, for variable-length attention (fastppl.models.attention)
+        document_ids = DocumentSpans(document_ids, to_device(batch.cu_seqlens, device), batch.max_seqlen)
+    return DeviceBatch(to_device(batch.input_ids, device), to_device(batch.targets, device),
+                       to_device(batch.score_mask, device), to_device(batch.position_ids, device), document_ids,
+                       scored_rows_of(batch, device) if gathers_scored_rows else None)
+
+
 @torch.inference_mode()
 def score_batches(
     score_fn: ScoreFn, batches: Iterable[Batch], sums: DeviceSums, device: torch.device,
     on_batch: Optional[Callable[[Batch], None]] = None,
 ) -> DeviceSums:
     for batch in batches:
-        input_ids = to_device(batch.input_ids, device)
-        targets = to_device(batch.targets, device)
-        score_mask = to_device(batch.score_mask, device)
-        position_ids = to_device(batch.position_ids, device)
-        document_ids = to_device(batch.document_ids, device)
-        if document_ids is not None and batch.cu_seqlens is not None:
-            # the same documents as segments too, for variable-length attention (fastppl.models.attention)
-            document_ids = DocumentSpans(document_ids, to_device(batch.cu_seqlens, device), batch.max_seqlen)
+        on_device = batch_on_device(batch, device, getattr(score_fn, "gathers_scored_rows", False))
         # unpacked batches call score_fn with three arguments, as any scorer of (B, T) rows takes (and
         # scored_rows= when it says it gathers them)
-        packed = () if document_ids is None else (position_ids, document_ids)
-        scored_rows = scored_rows_of(batch, device) if getattr(score_fn, "gathers_scored_rows", False) else None
-        gather = {} if scored_rows is None else {"scored_rows": scored_rows}
-        nll = score_fn(input_ids, targets, score_mask, *packed, **gather)   # (B, T) fp32
-        accumulate(sums, nll, score_mask, device, position_ids, batch.target_document, batch.token_index)
+        gather = {} if on_device.scored_rows is None else {"scored_rows": on_device.scored_rows}
+        nll = score_fn(on_device.input_ids, on_device.targets, on_device.score_mask, *on_device.packed,
+                       **gather)   # (B, T) fp32
+        accumulate(sums, nll, on_device.score_mask, device, on_device.position_ids, batch.target_document,
+                   batch.token_index)
         if on_batch is not None:
             on_batch(batch)
     return sums

@@ -142,12 +142,20 @@ class GPT2(nn.Module):
         cache_step is set when a KV cache is attached (fastppl.models.kv_cache)."""
         if self.fused_norms is not None and cache_step is None:
             return self.fused_norms(self, input_ids, position_ids, document_ids)
-        B, T = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(T, device=input_ids.device)
-        x = self.wte(input_ids) + self.wpe(position_ids)
+        x, block_inputs = self.residual_stream(input_ids, position_ids)
         for block in self.blocks:
-            x = block(x, document_ids, cache_step)
+            x = block(x, *block_inputs, document_ids, cache_step)
+        return self.final_norm(x)
+
+    def residual_stream(self, input_ids: torch.Tensor,
+                        position_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, tuple]:
+        """The forward's first part (ModelSpec's layer-major split): (B, T) ids -> the residual stream (B, T, C) and
+        what each block takes beside it (nothing, for GPT-2)."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+        return self.wte(input_ids) + self.wpe(position_ids), ()
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.ln_f(x)
 
 

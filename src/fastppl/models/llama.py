@@ -22,7 +22,8 @@ from .attention import causal_attention, masked_attention
 from .initialization import init_gpt_style_
 from .kv_cache import CacheStep
 from .rotary import ROPE_TYPES, apply_rotary, rope_frequencies
-from .spec import HFSizeKeys, LlamaTrunkKernels, ModelShape, ModelSpec, NotNative
+from .llama_trunk import forward_with_fused_trunk, fused_trunk_split
+from .spec import HFSizeKeys, ModelShape, ModelSpec, NotNative
 from .weights import Piece, StoredTensor, check_stored, refuse_dropped_weights
 
 @dataclass
@@ -206,44 +207,22 @@ class Llama(nn.Module):
         (fastppl.models.kv_cache)."""
         if self.fused_trunk is not None and cache_step is None:
             return self.fused_trunk(self, input_ids, position_ids, document_ids)
-        B, T = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(T, device=input_ids.device)
-        x = self.embed(input_ids)
-        rope = self.rope_cos_sin(position_ids, x.dtype)                    # (T or B x T, hs) each
+        x, block_inputs = self.residual_stream(input_ids, position_ids)
         for block in self.blocks:
-            x = block(x, rope, document_ids, cache_step)
+            x = block(x, *block_inputs, document_ids, cache_step)
+        return self.final_norm(x)
+
+    def residual_stream(self, input_ids: torch.Tensor,
+                        position_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, tuple]:
+        """The forward's first part (ModelSpec's layer-major split): (B, T) ids -> the residual stream (B, T, C) and
+        what each block takes beside it (RoPE's cos and sin)."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.embed(input_ids)
+        return x, (self.rope_cos_sin(position_ids, x.dtype),)              # (T or B x T, hs) each
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x)
-
-
-def forward_with_fused_trunk(model: Llama, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                             document_ids=None, *, kernels: LlamaTrunkKernels) -> torch.Tensor:
-    """Llama.forward with each output product added into the residual stream x in place, RMSNorm, RoPE (q, k rotated
-    in place in the qkv product) and SiLU(gate) * up as kernels. Equal to the plain forward up to rounding."""
-    B, T = input_ids.shape
-    n_head, n_kv_head, head_dim = model.config.n_head, model.config.n_kv_head, model.config.head_dim
-    positions = torch.arange(T, device=input_ids.device) if position_ids is None else position_ids
-    cos, sin = (a.reshape(-1, head_dim).contiguous() for a in model.rope_cos_sin(positions, torch.float32))
-    x = model.embed(input_ids).view(B * T, -1)                             # the residual stream (B*T, C)
-    blocks, linear = model.blocks, kernels.linear
-    h = kernels.rms_norm(x, blocks[0].attn_norm.weight, blocks[0].attn_norm.eps)
-    for i, block in enumerate(blocks):
-        attn, mlp = block.attn, block.mlp
-        qkv = linear(h, attn.qkv.weight, attn.qkv.bias)                     # (B*T, (nh + 2 nkv) hs)
-        kernels.rotate_queries_and_keys_(qkv, cos, sin, n_head + n_kv_head, head_dim)
-        q, k, v = qkv.view(B, T, -1, head_dim).transpose(1, 2).split((n_head, n_kv_head, n_kv_head), dim=1)
-        y = causal_attention(q, k, v, document_ids)                        # (B, nh, T, hs)
-        linear(y.transpose(1, 2).reshape(B * T, -1), attn.o_proj.weight, accumulate_into=x)
-        if attn.o_proj.bias is not None:
-            x.add_(attn.o_proj.bias)
-        h = kernels.rms_norm(x, block.mlp_norm.weight, block.mlp_norm.eps)
-        linear(kernels.swiglu(linear(h, mlp.gate_up.weight, mlp.gate_up.bias)), mlp.down_proj.weight,
-               accumulate_into=x)
-        if mlp.down_proj.bias is not None:
-            x.add_(mlp.down_proj.bias)
-        norm = blocks[i + 1].attn_norm if i + 1 < len(blocks) else model.norm
-        h = kernels.rms_norm(x, norm.weight, norm.eps)
-    return h.view(B, T, -1)
 
 
 # ---- Hugging Face checkpoints <-> Llama ----------------------------------------------------------------------
@@ -449,6 +428,7 @@ SPEC = ModelSpec(
     state_dict_to_hf=state_dict_to_hf, hf_sizes=HF_SIZES, hf_factors=HF_FACTORS,
     hf_size_keys=SIZE_KEYS, shape=shape, presets=PRESETS, compile_family="llama",
     compile_min_tokens=COMPILE_MIN_TOKENS, rotary=True, fused_trunk_forward=forward_with_fused_trunk,
+    fused_trunk_split=fused_trunk_split,
 )
 # Qwen2 and Mistral are this module with options: q/k/v biases; a sliding window (exact up to its length)
 QWEN2_SPEC = dataclasses.replace(SPEC, name="qwen2", model_types=("qwen2",), config_from_hf=qwen2_config_from_hf,

@@ -20,7 +20,7 @@ from .gpt2 import GPT2, PRESETS
 from .hf_backend import HFCausalLM
 from .registry import ModelSpec, NotNative, native_model_types, presets, spec_for_model_type, spec_of, spec_of_preset
 from .settings import check_sizes_and_factors, with_nested_keys
-from .weights import StoredTensor, fill_parameters, index_checkpoint, safetensors_index
+from .weights import StoredTensor, fill_parameters, index_checkpoint, safetensors_index, stored_blocks
 
 NATIVE_MODEL_TYPES = native_model_types()
 RANDOM_PREFIX = "random:"
@@ -222,10 +222,16 @@ class NoNativeModel(FastpplError):
 
 
 def load_model(spec: str, backend: str = "auto", dtype: torch.dtype = torch.float32, seed: int = 0,
-               device: torch.device | str = "cpu") -> nn.Module:
+               device: torch.device | str = "cpu", streamed: bool = False) -> nn.Module:
     """A model in eval mode with the engine's interface (hidden states + lm_head). Random weights are
     drawn on `device`, a checkpoint's read straight to it (native models; --backend hf loads on the CPU and the
-    caller moves the model)."""
+    caller moves the model). streamed (the layer-major path, fastppl.runner): a native model's blocks rest in host
+    memory, or, where the checkpoint stores them quantized (GGUF, compressed-tensors), on `device` in their stored
+    form, as the model's `stored_blocks` (fastppl.models.weights.StoredBlock), its blocks left on the meta
+    device. Random weights are drawn on `device` either way (the same seed, the same weights, on the same kind of
+    device), for the caller to move their blocks to host memory."""
+    if streamed and not spec.startswith(RANDOM_PREFIX) and not _quantized(spec):
+        device = "cpu"
     if spec.startswith(RANDOM_PREFIX):
         native = random_native(spec[len(RANDOM_PREFIX):], seed, device if backend != "hf" else "cpu")
         model: nn.Module = HFCausalLM(native_to_hf(native), "--backend hf") if backend == "hf" else native
@@ -258,7 +264,42 @@ def load_model(spec: str, backend: str = "auto", dtype: torch.dtype = torch.floa
     index = gguf.index if gguf else None
     if is_compressed_tensors(hf_config):   # llm-compressor's weight-only schemes: dequantized as they are read
         index = compressed_index(checkpoint_index(directory), hf_config, str(directory))
-    return _load_native(directory, family, config, dtype, device, index)
+    return _load_native(directory, family, config, dtype, device, index, streamed)
+
+
+def _quantized(spec: str) -> bool:
+    """Whether --model names a checkpoint of quantized blocks: a GGUF file or a compressed-tensors directory."""
+    if gguf_spec(spec):
+        return True
+    path = Path(spec).expanduser()
+    try:
+        return path.is_dir() and is_compressed_tensors(_read_config(path))
+    except FastpplError:
+        return False   # loading says what is wrong
+
+
+def weights_bytes(spec: str, backend: str, dtype: torch.dtype) -> Optional[int]:
+    """The bytes of a native model's parameters in dtype, from its config alone (built on the meta device, nothing
+    read or allocated); None for a model transformers runs (or a config the loader will refuse)."""
+    if backend == "hf":
+        return None
+    try:
+        if spec.startswith(RANDOM_PREFIX):
+            preset = spec[len(RANDOM_PREFIX):]
+            family = spec_of_preset(preset)
+            config = family.presets[preset] if family is not None else None
+        else:
+            gguf = open_gguf(spec) if gguf_spec(spec) else None
+            hf_config = gguf.hf_config if gguf else _read_config(resolve_checkpoint_dir(spec))
+            family = spec_for_model_type(hf_config.get("model_type"))
+            config = family.config_from_hf(hf_config) if family is not None else None
+        if config is None:
+            return None
+        with torch.device("meta"), _NoInitialisation():
+            model = family.model_class(config)
+    except (NotNative, KeyError, TypeError, ValueError, AssertionError):
+        return None   # loading the model says what is wrong with it
+    return sum(p.numel() for p in model.parameters()) * dtype.itemsize
 
 
 def _native_config(directory: Path, family: ModelSpec, hf_config: dict):
@@ -288,9 +329,10 @@ class _NoInitialisation(TorchFunctionMode):
 
 
 def _load_native(directory: Path, family: ModelSpec, config, dtype: torch.dtype, device: torch.device | str,
-                 index: Optional[dict[str, StoredTensor]] = None) -> nn.Module:
+                 index: Optional[dict[str, StoredTensor]] = None, streamed: bool = False) -> nn.Module:
     """Build on the meta device (no memory, no init), allocate on `device` in `dtype`, then read every weight
-    into place, a tensor at a time (fastppl.models.weights)."""
+    into place, a tensor at a time (fastppl.models.weights). streamed with a quantized index: the blocks stay
+    on the meta device and their stored tensors go to `device` as they are (load_model)."""
     try:
         with torch.device("meta"), _NoInitialisation():
             model = family.model_class(config)
@@ -299,6 +341,13 @@ def _load_native(directory: Path, family: ModelSpec, config, dtype: torch.dtype,
                            "the checkpoint is corrupt") from None
     # all checked before allocating
     pieces = family.checkpoint_pieces(model, index or checkpoint_index(directory), str(directory))
+    if streamed and any(stored.decode is not None for stored, _ in pieces):
+        model.stored_blocks, pieces = stored_blocks(pieces, len(model.blocks), torch.device(device))
+        blocks, model.blocks = model.blocks, nn.ModuleList()   # the rest of the model allocated and filled
+        _allocate_parameters(model, dtype, device)
+        fill_parameters(model, pieces)
+        model.blocks = blocks
+        return model.eval()
     _allocate_parameters(model, dtype, device)
     fill_parameters(model, pieces)
     return model.eval()

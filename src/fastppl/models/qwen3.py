@@ -67,5 +67,5 @@ SPEC = dataclasses.replace(
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf, checkpoint_pieces=partial(llama.checkpoint_pieces, name_map=HF_NAME_MAP),
     state_dict_to_hf=partial(llama.state_dict_to_hf, name_map=HF_NAME_MAP), presets=PRESETS,
-    fused_trunk_forward=None,   # the fused trunk has no kernel for the per-head q/k norms
+    fused_trunk_forward=None, fused_trunk_split=None,   # the fused trunk has no kernel for the per-head q/k norms
 )

@@ -32,6 +32,20 @@ class LlamaTrunkKernels(NamedTuple):
     linear: Callable
 
 
+class LayerSplit(NamedTuple):
+    """A forward in the three parts that the layer-major path (fastppl.engine.streamed) runs apart:
+    residual_stream(model, input_ids, position_ids) -> (x (B, T, C), block_inputs), then for each block
+    block(block, x, *block_inputs, document_ids) -> x, then final_norm(model, x) -> (B, T, C)."""
+    residual_stream: Callable
+    block: Callable
+    final_norm: Callable
+
+
+# every native model's own forward, split: model.residual_stream, its blocks, model.final_norm
+PLAIN_SPLIT = LayerSplit(lambda model, input_ids, position_ids: model.residual_stream(input_ids, position_ids),
+                         lambda block, x, *inputs: block(x, *inputs), lambda model, x: model.final_norm(x))
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The sizes that the memory bound (accel.batch_size) and the FLOP count (bench.dense) need."""
@@ -57,7 +71,12 @@ class HFSizeKeys:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One native model family. Pattern: torchtitan's ModelSpec, gpt-fast's transformer_configs."""
+    """One native model family. Pattern: torchtitan's ModelSpec, gpt-fast's transformer_configs.
+
+    Every family's model splits the same way, which the layer-major path (fastppl.engine.streamed) runs a block at
+    a time over many batches: `x, block_inputs = model.residual_stream(input_ids, position_ids)`, then
+    `x = block(x, *block_inputs, document_ids)` for each of `model.blocks` (alike in their parameters' shapes),
+    then `model.final_norm(x)`; model.forward is that composition, so both paths compute the same."""
     name: str                                        # the family, e.g. "llama"
     model_class: type                                # config -> nn.Module with the engine's interface
     config_class: type                               # the native config dataclass
@@ -89,6 +108,8 @@ class ModelSpec:
     fused_norm_forward: Optional[Callable] = None
     # forward(model, input_ids, position_ids, document_ids, kernels=LlamaTrunkKernels): the fused-trunk forward
     fused_trunk_forward: Optional[Callable] = None
+    # kernels=LlamaTrunkKernels -> the fused-trunk forward as a LayerSplit, for the layer-major path
+    fused_trunk_split: Optional[Callable] = None
     gelu_mlp_class: Optional[type] = None            # MLP modules whose fc + tanh GELU a cuBLASLt epilogue can run
     fused_decode: bool = False                       # fastppl.accel.fused_decode's Triton decode step applies
 

@@ -163,6 +163,42 @@ def _read_into(handle, stored: StoredTensor, destination: torch.Tensor, transpos
     _copy_converted(read_tensor(stored, handle, destination.device).to(destination.device), destination, transpose)
 
 
+class StoredBlock:
+    """One block's checkpoint tensors kept on a device in their stored form (a GGUF or compressed-tensors block:
+    its quantized bytes), turned into the block's parameters on demand (fastppl.engine.streamed), by the same
+    decoding and conversion as loading does, so that the values are the loaded model's bit for bit."""
+
+    def __init__(self, pieces: list[tuple[StoredTensor, Piece]], device: torch.device):
+        self.items = []
+        for stored, piece in sorted(pieces, key=lambda p: (str(p[0].file), p[0].offset)):
+            with open(stored.file, "rb", buffering=0) as handle:
+                raw = _read_bytes(handle, stored, torch.empty(stored.stored_bytes, dtype=torch.uint8)) \
+                    if stored.decode is not None else read_tensor(stored, handle)
+            self.items.append((raw.to(device), stored, piece))
+        self.stored_bytes = sum(raw.numel() * raw.element_size() for raw, _, _ in self.items)
+
+    def fill(self, parameters: dict[str, torch.Tensor]) -> None:
+        """parameters: the block's, by their names within it."""
+        for raw, stored, piece in self.items:
+            values = stored.decode(raw) if stored.decode is not None else raw
+            _copy_converted(values, _rows(parameters[piece.parameter], piece), piece.transpose)
+
+
+def stored_blocks(pieces: list[tuple[StoredTensor, Piece]], n_layer: int,
+                  device: torch.device) -> tuple[list[StoredBlock], list[tuple[StoredTensor, Piece]]]:
+    """The pieces of each block ("blocks.{i}.*", renamed within the block) as StoredBlocks on the device, and the
+    pieces of the rest of the model."""
+    by_layer: list[list] = [[] for _ in range(n_layer)]
+    rest = []
+    for stored, piece in pieces:
+        match = re.match(r"blocks\.(\d+)\.(.+)", piece.parameter)
+        if match is None:
+            rest.append((stored, piece))
+        else:
+            by_layer[int(match.group(1))].append((stored, piece._replace(parameter=match.group(2))))
+    return [StoredBlock(block, device) for block in by_layer], rest
+
+
 @dataclass(frozen=True)
 class Staging:
     """How tensors stream to the device: a ring of n_buffers host buffers of buffer_bytes (pinned for a GPU),

@@ -20,8 +20,6 @@ from ..data.packing import padding_waste
 from ..data.streams import WindowPlan, scored_bytes_by_document, sliding_stride
 from ..data.tokenize import Tokenizer
 from ..engine.score import DeviceSums
-from ..models.attention import document_attention_backend, varlen_failure
-from ..models.hf_backend import HFCausalLM
 from .groups import group_results
 from .metrics import lm_eval_word_count, per_unit_metrics, perplexity
 from ..stages import Corpus, Prepared, Run, Scored, Windows
@@ -122,6 +120,9 @@ class HowItRan:
     window: str
     dtype: str
     backend: str                                # native, or transformers and why
+    placement: str                              # where the weights rested: resident or streamed (fastppl.runner)
+    placement_reason: str
+    streaming: Optional[dict]                   # streamed: waves, bytes_streamed, copy_seconds(_hidden), blocks_rest_in
     compile: str
     mlp_epilogue: str
     residual_norms: str
@@ -229,21 +230,18 @@ def corpus_metrics(nll_sum: float, plan: WindowPlan, n_bytes: int, n_words: int)
 
 def how_it_ran(run: Run, windows: Windows, prepared: Prepared, scored: Scored) -> HowItRan:
     acceleration, plan, use_kv_cache = prepared.acceleration, windows.plan, windows.use_kv_cache
-    packed = acceleration.batching == "packed" and not use_kv_cache
-    config = run.config
+    config, record = run.config, scored.record
     return HowItRan(
         # the cached sliding path scores document rows of its own, not the planned batches
         batching="kv-cache rows" if use_kv_cache else acceleration.batching,
         batching_reason="one row per document (--kv-cache on)" if use_kv_cache else acceleration.batching_reason,
         batches=None if use_kv_cache else len(scored.plans),
-        # after any fallback: varlen, flex or sdpa-mask
-        document_attention=document_attention_backend(run.device, run.dtype) if packed else None,
-        document_attention_fallback=varlen_failure(),
+        document_attention=record.document_attention, document_attention_fallback=record.document_attention_fallback,
         padding_waste=None if use_kv_cache else padding_waste(scored.plans, plan.window_lengths),
         ctx=windows.ctx, stride=sliding_stride(config.stride, windows.ctx) if config.window == "sliding" else None,
         window=config.window, dtype=str(run.dtype).replace("torch.", ""),
-        # asked for, or what the native model lacks
-        backend=f"transformers ({prepared.model.why})" if isinstance(prepared.model, HFCausalLM) else "native",
+        backend=record.backend, placement=record.placement, placement_reason=record.placement_reason,
+        streaming=record.streaming,
         compile=acceleration.compile_reason, mlp_epilogue=acceleration.mlp_epilogue,
         residual_norms=acceleration.residual_norms, products=scored.products, loss=acceleration.loss,
         batch_size=scored.batch_size, batch_size_reason=scored.batch_size_reason, kv_cache=windows.kv_cache_reason,

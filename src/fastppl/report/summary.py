@@ -60,6 +60,12 @@ def summary(result: dict) -> str:
         run, without = result["tokens_forwarded"], result["tokens_forwarded_without_cache"]
         lines.append(f"kv cache    {result['kv_cache']}: {run:,} token positions run instead of {without:,} "
                      f"({without / max(run, 1):.1f}x fewer)")
+    if result.get("streaming"):
+        streaming = result["streaming"]
+        lines.append(f"placement   streamed ({result['placement_reason']}): {streaming['waves']:,} waves, "
+                     f"{streaming['bytes_streamed'] / 1e9:.2f} GB into the block buffers in "
+                     f"{streaming['copy_seconds']:.2f} s, {streaming['copy_seconds_hidden']:.2f} s of it behind "
+                     f"compute; the blocks rest in {streaming['blocks_rest_in']}")
     if result.get("groups"):
         lines.append(groups_table(result["groups"]))
     if result.get("divergence"):
