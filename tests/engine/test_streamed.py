@@ -144,8 +144,8 @@ def test_a_wave_that_cannot_hold_one_batch_names_the_ctx_and_the_limit_that_woul
     with pytest.raises(FastpplError) as refused:
         run(placement="streamed", max_gpu_memory=least - 2**16, **settings)
     message = str(refused.value)
-    assert "\n" not in message and "raise --max-gpu-memory to at least" in message
-    ctx = int(re.search(r"lower --ctx to (\d+)", message).group(1))
+    assert "\n" not in message and "raise max_gpu_memory to at least" in message
+    ctx = int(re.search(r"lower ctx to (\d+)", message).group(1))
     assert 2 <= ctx < 64
     run(placement="streamed", max_gpu_memory=least - 2**16, **{**settings, "ctx": ctx})   # that --ctx runs
 
@@ -155,7 +155,7 @@ def test_placement_resident_of_weights_that_do_not_fit_says_what_they_need(text,
     from fastppl.models.loading import weights_bytes
     from fastppl.runner import gib
     needed = gib(weights_bytes("random:gpt2-tiny", "auto", torch.float32))   # its parameters, counted
-    with pytest.raises(FastpplError, match=rf"the weights need {re.escape(needed)}, .*use --placement streamed"):
+    with pytest.raises(FastpplError, match=rf"the weights need {re.escape(needed)}, .*use placement=\"streamed\""):
         run(model="random:gpt2-tiny", data=[str(text)], tokenizer=str(tokenizer_dir), placement="resident",
             max_gpu_memory="8MiB")
 
@@ -164,7 +164,7 @@ def test_placement_resident_of_weights_that_do_not_fit_says_what_they_need(text,
                                     dict(backend="hf"), dict(reference_model="random:gpt2-tiny",
                                                              reference_device="cpu")])
 def test_what_the_streamed_path_cannot_run_is_refused_in_one_line(option, text):
-    with pytest.raises(FastpplError, match="does not work with --placement streamed") as refused:
+    with pytest.raises(FastpplError, match='does not work with placement="streamed"') as refused:
         EvalConfig(model="random:gpt2-tiny", data=[str(text)], placement="streamed", **option)
     assert "\n" not in str(refused.value)
 
@@ -177,7 +177,7 @@ def test_memory_sizes_read_as_bytes(given, expected):
 
 @pytest.mark.parametrize("given", ["8 lots", "GiB", "-1GiB", ""])
 def test_a_size_that_is_none_is_one_line(given):
-    with pytest.raises(FastpplError, match="--max-gpu-memory must be a size such as 8GiB"):
+    with pytest.raises(FastpplError, match="max_gpu_memory must be a size such as 8GiB"):
         EvalConfig(model="random:gpt2-tiny", data=["x"], max_gpu_memory=given)
 
 
@@ -218,7 +218,7 @@ def test_a_model_transformers_runs_is_not_streamed(text, tokenizer_dir, tmp_path
     config = AutoConfig.for_model("opt", vocab_size=50304, hidden_size=16, num_hidden_layers=1, ffn_dim=32,
                                   num_attention_heads=2, word_embed_proj_dim=16, max_position_embeddings=64)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "opt")
-    with pytest.raises(FastpplError, match="model runs through transformers: use --placement resident") as refused:
+    with pytest.raises(FastpplError, match='model runs through transformers: use placement="resident"') as refused:
         run(model=str(tmp_path / "opt"), data=[str(text)], tokenizer=str(tokenizer_dir), ctx=32,
             placement="streamed")
     assert "\n" not in str(refused.value)
