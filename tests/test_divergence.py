@@ -34,27 +34,6 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture
-def related_models(monkeypatch):
-    """random:<preset> weights well above the 0.02 init (predictions far from uniform, so that an error shows),
-    each seed's the same base plus its own perturbation: two seeds are two related models, as a model and its
-    quantised or fine-tuned copy are."""
-    import fastppl.models.loading as loading
-    plain = loading.random_native
-
-    def related(preset, seed=0, device="cpu"):
-        model = plain(preset, 0, device)
-        base, own = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1000 + seed)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" not in name and "ln" not in name:
-                    p.copy_(torch.randn(p.shape, generator=base) * 0.1 + torch.randn(p.shape, generator=own) * 0.03)
-        return model
-
-    monkeypatch.setattr(loading, "random_native", related)
-    return related
-
-
 @pytest.fixture(scope="module")
 def text(shakespeare) -> str:
     return shakespeare.read_text()[:TEXT_CHARS]

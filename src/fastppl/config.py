@@ -136,6 +136,7 @@ class EvalConfig:
     reference_device: Optional[str] = None  # where the reference runs; None = device
     placement: str = "auto"             # resident | streamed (blocks from host memory, fastppl.runner) | auto
     max_gpu_memory: Optional[int | str] = None   # bytes (or "8GiB") the run may hold on the device; None = all
+    layer_error: bool = False           # compare the model with the reference block by block (engine.layer_error)
 
     def __post_init__(self) -> None:
         """Every option and combination of options is checked here, before anything is read or built (what only
@@ -229,6 +230,7 @@ def check_options(config: EvalConfig) -> None:
     _check_resume(config)
     _check_reference(config)
     _check_placement(config)
+    _check_layer_error(config)
 
 
 def check_ctx(config: EvalConfig, ctx: Optional[int]) -> None:
@@ -247,7 +249,8 @@ def check_ctx(config: EvalConfig, ctx: Optional[int]) -> None:
 def check_one_process(config: EvalConfig) -> None:
     """Options that run in one process only, refused under --nproc or torchrun before anything starts."""
     for flag, given in (("--resume", config.resume is not None), ("--kv-cache on", config.kv_cache == "on"),
-                        ("--reference-device", config.reference_device is not None)):
+                        ("--reference-device", config.reference_device is not None),
+                        ("--layer-error", config.layer_error)):
         if given:
             raise FastpplError(f"{flag} runs in one process only; drop it or run without --nproc / torchrun")
 
@@ -388,16 +391,32 @@ def _check_placement(config: EvalConfig) -> None:
     if config.max_gpu_memory is not None and not (isinstance(config.max_gpu_memory, int)
                                                   and config.max_gpu_memory >= 1):
         raise FastpplError(f"--max-gpu-memory must be a size such as 8GiB, got {config.max_gpu_memory!r}")
-    if config.placement != "streamed":
+    if config.placement != "streamed" and not config.layer_error:
         return
+    # --layer-error runs the streamed path too (fastppl.runner.choose_placement)
+    path = "--placement streamed" if config.placement == "streamed" else "--layer-error"
     for flag, given, why in (
             ("--compile on", config.compile == "on", "compiles the resident forward"),
             ("--kv-cache on", config.kv_cache == "on", "keeps every layer's keys and values of a window at once"),
             ("--backend hf", config.backend == "hf", "runs the model through transformers"),
             ("--reference-device", config.reference_device is not None, "runs the reference on a device of its own")):
         if given:
-            raise FastpplError(f"{flag} does not work with --placement streamed (it {why}, and the streamed path "
-                               f"runs a native model's blocks one at a time); drop {flag} or use --placement resident")
+            fix = "use --placement resident" if path == "--placement streamed" else "drop --layer-error"
+            raise FastpplError(f"{flag} does not work with {path} (it {why}, and the streamed path runs a native "
+                               f"model's blocks one at a time); drop {flag} or {fix}")
+
+
+def _check_layer_error(config: EvalConfig) -> None:
+    if not config.layer_error:
+        return
+    if config.reference_model is None:
+        raise FastpplError("--layer-error compares the model's blocks with a reference model's; add "
+                           "--reference-model (a model of the same architecture) or drop --layer-error")
+    if config.placement == "resident":
+        raise FastpplError("--layer-error runs on the layer-major path (both models block by block); drop "
+                           "--placement resident")
+    if config.resume is not None:
+        raise FastpplError("--layer-error's sums are not checkpointed; drop --resume or --layer-error")
 
 
 SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -118,8 +118,12 @@ def evaluate(config: EvalConfig, reuse: Optional[Reuse] = None) -> EvalResult:
     # how long compiling took (within scoring) and whether its code came from the cache (accel/compile_cache.py)
     prepared.acceleration.compile_reason += finish_compiled_run(prepared.score_fn, run.stage_seconds)
     result = assemble_result(run, corpus, windows, prepared, scored)
-    return result if reference is None else add_divergence(result, config, scored.sums, corpus.documents,
-                                                                 corpus.tokens, plan)
+    if reference is None:
+        return result
+    result = add_divergence(result, config, scored.sums, corpus.documents, corpus.tokens, plan)
+    if scored.record.layer_error is not None:
+        result.divergence["layer_error"] = scored.record.layer_error
+    return result
 
 
 def corpus_identity(config: EvalConfig) -> tuple:

@@ -32,6 +32,7 @@ from .data.packing import BatchPlan, split_rows
 from .data.streams import WindowPlan, sliding_stride
 from .engine.cached_sliding import score_cached_sliding
 from .engine.divergence import make_divergence_loss_fn
+from .engine.layer_error import LayerErrors
 from .engine.score import DeviceSums, make_loss_fn, score_batches, score_plans
 from .engine.streamed import StreamedTrunk, plan_waves, score_streamed, tensor_bytes
 from .errors import FastpplError, first_line
@@ -78,6 +79,9 @@ def choose_placement(config: EvalConfig, device: torch.device, dtype: torch.dtyp
     are loaded; --placement resident with weights that cannot fit is refused now."""
     if config.placement == "streamed":
         return Placement("streamed", "--placement streamed", config.max_gpu_memory)
+    if config.layer_error:   # the config refuses it with --placement resident
+        return Placement("streamed", "--layer-error (the layer-major path runs both models block by block)",
+                         config.max_gpu_memory)
     capacity, what = device_capacity(config, device)
     needed = None
     if capacity is not None:
@@ -131,6 +135,17 @@ def rest_in_host_memory(model: nn.Module, device: torch.device) -> str:
     return "pinned host memory"
 
 
+def check_same_shape(model: nn.Module, reference: nn.Module) -> None:
+    """--layer-error compares the models block by block: the reference must have the model's blocks and width."""
+    shapes = [(type(m).__name__, len(m.blocks), spec_of(m).shape(m.config).width) for m in (model, reference)]
+    if shapes[0] != shapes[1]:
+        (family, layers, width), (ref_family, ref_layers, ref_width) = shapes
+        raise FastpplError(f"--layer-error compares the two models block by block, so the reference needs the "
+                           f"model's shape ({family}, {layers} blocks of width {width}); the reference is "
+                           f"{ref_family}, {ref_layers} blocks of width {ref_width}: give a reference of the same "
+                           "architecture, or drop --layer-error")
+
+
 @dataclass
 class ScoringRun:
     """What Runner.score returns to the pipeline."""
@@ -147,6 +162,7 @@ class Runner:
         self.trunks: list[StreamedTrunk] = []
         self.blocks_rest_in: Optional[str] = None
         self.waves = 0
+        self.layer_errors: Optional[LayerErrors] = None
         self.prepared: Optional[Prepared] = None
 
     @property
@@ -192,6 +208,9 @@ class Runner:
                                            compile_reason="off (the streamed path runs its blocks eager)")
         splits = [streamed_split(model, run.device, acceleration) for model in self.models]
         self.trunks = [StreamedTrunk(model, run.device, split) for model, (split, _) in zip(self.models, splits)]
+        if config.layer_error:
+            check_same_shape(self.model, self.reference)
+            self.layer_errors = LayerErrors(len(self.model.blocks), run.device)
         acceleration = splits[0][1]
         if self.reference is None:
             loss_fn = make_loss_fn(self.model, config.loss_chunk_rows, acceleration.loss)
@@ -241,6 +260,9 @@ class Runner:
             spec, shape = spec_of(model), spec_of(model).shape(model.config)
             per_position += shape.width * self.run.dtype.itemsize + (8 * shape.q_width // shape.n_head
                                                                      if spec.rotary else 0)
+        if self.layer_errors is not None:   # a hybrid's stream per block, beside the two models'
+            per_position += len(self.model.blocks) * spec_of(self.model).shape(self.model.config).width \
+                * self.run.dtype.itemsize
         return rows * seq_len * per_position
 
     def _fits(self, limit: int, rows: int, seq_len: int) -> bool:
@@ -309,7 +331,7 @@ class Runner:
             self.waves = len(waves)
             started = time.perf_counter()
             score_streamed(self.trunks, prepared.score_fn, waves, build, sums, run.device,
-                           prepared.score_fn.gathers_scored_rows, on_batch)
+                           prepared.score_fn.gathers_scored_rows, on_batch, self.layer_errors)
             return ScoringRun(started, 0, "torch's picks (the streamed path)")
         tuning = choose_tuning(config.tune_products, self.model, run.device, run.dtype, prepared.acceleration.compiled,
                                windows.use_kv_cache)
@@ -343,6 +365,7 @@ class Runner:
         return RunRecord(
             backend=f"transformers ({model.why})" if isinstance(model, HFCausalLM) else "native",
             placement=self.placement.name, placement_reason=self.placement.reason, streaming=streaming,
+            layer_error=self.layer_errors.table() if self.layer_errors is not None else None,
             # after any fallback: varlen, flex or sdpa-mask
             document_attention=document_attention_backend(self.run.device, self.run.dtype) if packed else None,
             document_attention_fallback=varlen_failure())

@@ -73,6 +73,7 @@ class RunRecord:
     placement: str                              # resident or streamed
     placement_reason: str
     streaming: Optional[dict]                   # streamed: waves, bytes_streamed, copy_seconds(_hidden), blocks_rest_in
+    layer_error: Optional[list]                 # --layer-error: a row per block (fastppl.engine.layer_error)
     document_attention: Optional[str]           # the kernel that kept packed documents apart
     document_attention_fallback: Optional[str]  # why varlen gave way to FlexAttention, if it did
 

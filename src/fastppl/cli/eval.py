@@ -57,6 +57,11 @@ def _add_input_arguments(p) -> None:
                         "divergence of --model from it: KL divergence, same top-1 rate, delta p, perplexity ratio "
                         "(see docs/divergence.md) (default: none)")
     p.add_argument("--reference-seed", type=seed, help="seed of a random:PRESET reference (default: --seed)")
+    p.add_argument("--layer-error", action="store_true",
+                   help="with --reference-model of the same architecture: compare the two models' hidden states "
+                        "after each block, and the KLD with the reference's blocks up to each one (runs both "
+                        "models layer-major, the blocks about n_layer / 2 times more; see docs/divergence.md)"
+                        + FLAG_OFF)
     p.add_argument("--reference-device", help="where the reference model runs, e.g. cuda:1 beside --device cuda:0 "
                                               "(default: --device)")
 
@@ -172,6 +177,7 @@ def config_from_args(args: argparse.Namespace, **cell):
         checkpoint_seconds=args.checkpoint_seconds, checkpoint_batches=args.checkpoint_batches,
         reference_model=args.reference_model, reference_seed=args.reference_seed,
         reference_device=args.reference_device, placement=args.placement, max_gpu_memory=args.max_gpu_memory,
+        layer_error=args.layer_error,
     )
     config = EvalConfig(**{**given, **cell})
     if cell:   # one cell of a table: the names were checked with the first

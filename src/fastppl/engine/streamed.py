@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -119,12 +119,15 @@ class StreamedTrunk:
         dtype = model.lm_head.weight.dtype
         self.blocks = StreamedBlocks(model.blocks, device, dtype, getattr(model, "stored_blocks", None))
 
-    def final_hidden(self, wave: Sequence[DeviceBatch], more_waves: bool) -> list[torch.Tensor]:
-        """[(B, T, C)] of each batch of the wave; with more_waves, the next wave's first block is copied during the
-        last one."""
-        model, blocks, split = self.model, self.blocks, self.split
-        states = [split.residual_stream(model, batch.input_ids, batch.packed[0] if batch.packed else None)
-                  for batch in wave]
+    def residual_streams(self, wave: Sequence[DeviceBatch]) -> list[tuple[torch.Tensor, tuple]]:
+        """Each batch's residual stream (B, T, C) and its blocks' other inputs."""
+        return [self.split.residual_stream(self.model, batch.input_ids, batch.packed[0] if batch.packed else None)
+                for batch in wave]
+
+    def blocks_of_wave(self, more_waves: bool) -> Iterator[nn.Module]:
+        """Each block of the model in turn, on the device, for the wave to run; with more_waves, the next wave's
+        first block is copied during the last one."""
+        blocks = self.blocks
         if blocks.step == 0:
             blocks.fetch(0, 0)
         n_layer = len(blocks.host)
@@ -132,12 +135,24 @@ class StreamedTrunk:
             block = blocks.take(blocks.step)
             if layer + 1 < n_layer or more_waves:
                 blocks.fetch(blocks.step + 1, (layer + 1) % n_layer)
-            for i, batch in enumerate(wave):   # in place: one batch's stream more than the wave's at once
-                x, block_inputs = states[i]
-                states[i] = split.block(block, x, *block_inputs, batch.document_ids), block_inputs
+            yield block
             blocks.release(blocks.step)
             blocks.step += 1
-        return [split.final_norm(model, x) for x, _ in states]
+
+    def run_block(self, block: nn.Module, state: tuple[torch.Tensor, tuple], batch: DeviceBatch) -> tuple:
+        x, block_inputs = state
+        return self.split.block(block, x, *block_inputs, batch.document_ids), block_inputs
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.split.final_norm(self.model, x)
+
+    def final_hidden(self, wave: Sequence[DeviceBatch], more_waves: bool) -> list[torch.Tensor]:
+        """[(B, T, C)] of each batch of the wave."""
+        states = self.residual_streams(wave)
+        for block in self.blocks_of_wave(more_waves):
+            for i, batch in enumerate(wave):   # in place: one batch's stream more than the wave's at once
+                states[i] = self.run_block(block, states[i], batch)
+        return [self.final_norm(x) for x, _ in states]
 
 
 def plan_waves(plans: Sequence, hidden_bytes: Callable[[object], int], capacity: int) -> list[list]:
@@ -157,15 +172,20 @@ def plan_waves(plans: Sequence, hidden_bytes: Callable[[object], int], capacity:
 @torch.inference_mode()
 def score_streamed(trunks: Sequence[StreamedTrunk], loss_fn: LossFn, waves: Sequence[Sequence],
                    build: Callable[[object], Batch], sums: DeviceSums, device: torch.device, gathers: bool,
-                   on_batch: Optional[Callable[[Batch], None]] = None) -> None:
+                   on_batch: Optional[Callable[[Batch], None]] = None, layer_errors=None) -> None:
     """Every wave's batches scored into sums, in order. trunks: the model's, then (a divergence run) the reference
-    model's; loss_fn(*their final hidden states, targets, score_mask, scored_rows) -> (B, T[, columns])."""
+    model's; loss_fn(*their final hidden states, targets, score_mask, scored_rows) -> (B, T[, columns]).
+    layer_errors (fastppl.engine.layer_error.LayerErrors): both trunks run in lockstep, compared block by block."""
     for w, plans in enumerate(waves):
         batches = [build(plan) for plan in plans]
         wave = [batch_on_device(batch, device, gathers) for batch in batches]
-        hidden = [trunk.final_hidden(wave, more_waves=w + 1 < len(waves)) for trunk in trunks]
+        more_waves = w + 1 < len(waves)
+        hidden = layer_errors.compared_wave(trunks, wave, more_waves) if layer_errors is not None else \
+            [trunk.final_hidden(wave, more_waves) for trunk in trunks]
         for i, (batch, on_device) in enumerate(zip(batches, wave)):
             nll = loss_fn(*(h[i] for h in hidden), on_device.targets, on_device.score_mask, on_device.scored_rows)
+            if layer_errors is not None:
+                layer_errors.add_hybrids(loss_fn, i, hidden[1][i], on_device)
             for h in hidden:
                 h[i] = None   # freed as the wave is scored
             accumulate(sums, nll, on_device.score_mask, device, on_device.position_ids, batch.target_document,

@@ -170,7 +170,22 @@ def divergence_lines(d: dict) -> list[str]:
         f"delta p     mean {100 * d['delta_p_mean']:.4g} ± {100 * d['delta_p_mean_error']:.2g} %  "
         f"rms {100 * d['delta_p_rms']:.4g} ± {100 * d['delta_p_rms_error']:.2g} %  p1 {100 * d['delta_p_p1']:.4g} %  "
         f"median {100 * d['delta_p_p50']:.4g} %  p99 {100 * d['delta_p_p99']:.4g} %",
-    ]
+    ] + (layer_error_lines(d["layer_error"]) if d.get("layer_error") else [])
+
+
+def layer_error_lines(rows: list[dict]) -> list[str]:
+    """--layer-error's table: each block's hidden-state error, and the KLD with the reference's blocks through it."""
+    def figure(value, spec: str) -> str:
+        return "n/a" if value is None else format(value, spec)
+    lines = ["error by layer (hidden states after each block; kld: the reference's embeddings and blocks through "
+             "this one, the model's after)",
+             f"{'block':>7} {'rel l2 mean':>12} {'rel l2 max':>11} {'cos mean':>10} {'cos min':>10} {'kld':>11}"]
+    for row in rows:
+        kld = figure(row["kld_with_reference_through_layer"], ".5g")
+        lines.append(f"{row['layer']:>7} {figure(row['relative_l2_mean'], '.5f'):>12} "
+                     f"{figure(row['relative_l2_max'], '.5f'):>11} {figure(row['cosine_mean'], '.6f'):>10} "
+                     f"{figure(row['cosine_min'], '.6f'):>10} {kld:>11}")
+    return lines
 
 
 def divergence_figure(result: dict):
