@@ -214,7 +214,7 @@ def test_hf_backend_batches_by_buckets_and_refuses_packing(tokenizer_dir, corpus
     hf = run(tokenizer_dir, [corpus_dir], backend="hf")
     assert hf["batching"] == "bucketed"                    # auto: HF models take no document_ids
     assert hf["nll_sum"] == pytest.approx(native["nll_sum"], rel=1e-5)
-    with pytest.raises(FastpplError, match="--batching packed needs"):
+    with pytest.raises(FastpplError, match='batching="packed" needs'):
         run(tokenizer_dir, [corpus_dir], backend="hf", batching="packed")
 
 
