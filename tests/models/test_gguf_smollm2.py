@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from fastppl.data.tokenize import load_tokenizer
 from fastppl.models import load_model
@@ -26,7 +28,12 @@ def smollm2_gguf() -> Path:
     return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def test_smollm2_q4_1_scores_as_transformers_per_token(smollm2_gguf, shakespeare):
+def _rms_norm_in_float64(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def test_smollm2_q4_1_scores_as_transformers_per_token(smollm2_gguf, shakespeare, monkeypatch):
     from transformers import AutoTokenizer
     text = shakespeare.read_text()[:3000]
     ours = load_tokenizer(str(smollm2_gguf))
@@ -42,11 +49,18 @@ def test_smollm2_q4_1_scores_as_transformers_per_token(smollm2_gguf, shakespeare
     # 30 fp32 layers in two summation orders: relative on tokens of NLL above 1 nat, absolute below (a token of
     # NLL 0.001 has no relative error to speak of)
     assert (difference <= FP32_RTOL * theirs_nll.abs().clamp(min=1)).all()
-    # in float64 the summation order no longer shows: what is left is the weights, which must be the same
+    # in float64 the summation order no longer shows: what is left is the weights and the architecture, which must
+    # be the same (transformers' RMSNorm normalises in fp32 whatever the model's dtype: here in float64, as
+    # fastppl's does; fastppl's loss is fp32, so the forward's float64 logits are normalised here)
     native64 = load_model(str(smollm2_gguf), "native", torch.float64)
-    ours64 = _native_token_nll(native64, batch)
-    theirs64 = _hf_token_nll(_transformers_gguf(smollm2_gguf).double(), batch)
-    assert ((ours64 - theirs64).abs() <= 1e-6 * theirs64.abs().clamp(min=1)).all()
+    with torch.no_grad():
+        logits = F.linear(native64(batch), native64.lm_head.weight)
+    ours64 = -F.log_softmax(logits[:, :-1], dim=-1).gather(-1, batch[:, 1:, None])[..., 0]
+    monkeypatch.setattr(LlamaRMSNorm, "forward", _rms_norm_in_float64)
+    with torch.no_grad():
+        theirs_logits = _transformers_gguf(smollm2_gguf).double()(batch).logits
+    theirs64 = -F.log_softmax(theirs_logits[:, :-1], dim=-1).gather(-1, batch[:, 1:, None])[..., 0]
+    assert ((ours64 - theirs64).abs() <= 1e-9 * theirs64.abs().clamp(min=1)).all()
 
 
 def test_smollm2s_ids_are_llama_cpps(smollm2_gguf):

@@ -51,8 +51,10 @@ def _hf_from_native(native: GPT2) -> GPT2LMHeadModel:
 def _hf_token_nll(hf: GPT2LMHeadModel, ids: torch.Tensor) -> torch.Tensor:
     """(B, T-1) NLL of ids[:, 1:] from HF's full logits."""
     with torch.no_grad():
-        logits = hf(ids).logits.float()
-    return -F.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+        # normalised in float64: torch's fp32 log_softmax over a 50k vocabulary reads about 1e-5 nats low (its sum of
+        # exponentials rounds down), a bias the model's fp32 forward does not have
+        logits = hf(ids).logits.double()
+    return -F.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0].float()
 
 
 def _native_token_nll(model, ids: torch.Tensor) -> torch.Tensor:

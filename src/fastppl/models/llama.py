@@ -92,8 +92,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalised in fp32, scaled in the input's dtype (as the reference implementation does)
-        x32 = x.float()
+        # normalised in fp32 (float64 in a float64 model), scaled in the input's dtype (as the reference
+        # implementation does)
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
 

@@ -62,7 +62,8 @@ def summary(result: dict) -> str:
                      f"({without / max(run, 1):.1f}x fewer)")
     if result.get("streaming"):
         streaming = result["streaming"]
-        lines.append(f"placement   streamed ({result['placement_reason']}): {streaming['waves']:,} wave{'s' if streaming['waves'] != 1 else ''}, "
+        waves = f"{streaming['waves']:,} wave" + ("s" if streaming["waves"] != 1 else "")
+        lines.append(f"placement   streamed ({result['placement_reason']}): {waves}, "
                      f"{streaming['bytes_streamed'] / 1e9:.2f} GB into the block buffers in "
                      f"{streaming['copy_seconds']:.2f} s, {streaming['copy_seconds_hidden']:.2f} s of it behind "
                      f"compute; the blocks rest in {streaming['blocks_rest_in']}")
