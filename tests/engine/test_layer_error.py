@@ -39,10 +39,10 @@ def text_path(tmp_path_factory, shakespeare):
 
 
 def _evaluate(tokenizer_dir, text_path, preset, reference_seed=1, **settings) -> dict:
-    return evaluate(EvalConfig(
-        model=f"random:{preset}", reference_model=f"random:{preset}", reference_seed=reference_seed,
-        data=[str(text_path)], tokenizer=str(tokenizer_dir), device="cpu", dtype="fp32", quiet=True, ctx=CTX,
-        batch_size=3, **settings))
+    settings = dict(device="cpu", dtype="fp32", quiet=True, ctx=CTX, batch_size=3) | settings
+    return evaluate(EvalConfig(model=f"random:{preset}", reference_model=f"random:{preset}",
+                               reference_seed=reference_seed, data=[str(text_path)], tokenizer=str(tokenizer_dir),
+                               **settings))
 
 
 def _hybrid(model: nn.Module, reference: nn.Module, layer: int) -> nn.Module:
@@ -160,3 +160,22 @@ def test_the_summary_and_the_json_hold_the_table(related_models, tokenizer_dir, 
     table = json.loads(report.read_text())["divergence"]["layer_error"]
     assert "error by layer" in out and len(table) == 2
     assert f"{table[1]['kld_with_reference_through_layer']:.5g}" in out.splitlines()[-1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
+def test_on_cuda_the_run_is_the_streamed_run_and_the_table_is_the_cpus(preset, related_models, tokenizer_dir,
+                                                                       text_path):
+    """bf16 on a GPU (the fused trunk and the fused divergence kernel): the run's own figures are the streamed
+    run's bit for bit; the table is the CPU's fp32 one within bf16's rounding."""
+    settings = dict(device="cuda", dtype="bf16")
+    plain = _evaluate(tokenizer_dir, text_path, preset, placement="streamed", **settings)
+    layered = _evaluate(tokenizer_dir, text_path, preset, layer_error=True, **settings)
+    cpu = _evaluate(tokenizer_dir, text_path, preset, layer_error=True)
+    assert layered["nll_sum"] == plain["nll_sum"]
+    assert layered["divergence"]["kld_mean"] == plain["divergence"]["kld_mean"]
+    for row, want in zip(layered["divergence"]["layer_error"], cpu["divergence"]["layer_error"]):
+        assert row["relative_l2_mean"] == pytest.approx(want["relative_l2_mean"], rel=0.05, abs=0.01)
+        assert row["kld_with_reference_through_layer"] == pytest.approx(want["kld_with_reference_through_layer"],
+                                                                        rel=0.05, abs=1e-3)
