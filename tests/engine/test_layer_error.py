@@ -179,3 +179,19 @@ def test_on_cuda_the_run_is_the_streamed_run_and_the_table_is_the_cpus(preset, r
         assert row["relative_l2_mean"] == pytest.approx(want["relative_l2_mean"], rel=0.05, abs=0.01)
         assert row["kld_with_reference_through_layer"] == pytest.approx(want["kld_with_reference_through_layer"],
                                                                         rel=0.05, abs=1e-3)
+
+
+def test_packed_documents_keep_the_runs_figures(related_models, tokenizer_dir, tmp_path, shakespeare):
+    """Rows of several documents (each block reads the documents' positions and masks): the run's figures are the
+    streamed run's, and a model against itself still has no error."""
+    corpus = tmp_path / "documents.jsonl"
+    text = shakespeare.read_text()
+    corpus.write_text("".join(json.dumps({"text": text[i * 150:(i + 1) * 150 - i * 40]}) + "\n" for i in range(3)))
+    settings = dict(batching="packed", ctx=64)
+    plain = _evaluate(tokenizer_dir, corpus, "llama-tiny", placement="streamed", **settings)
+    layered = _evaluate(tokenizer_dir, corpus, "llama-tiny", layer_error=True, **settings)
+    assert layered["batching"] == "packed" and layered["nll_sum"] == plain["nll_sum"]
+    assert layered["divergence"]["kld_mean"] == plain["divergence"]["kld_mean"]
+    itself = _evaluate(tokenizer_dir, corpus, "llama-tiny", reference_seed=0, layer_error=True, **settings)
+    assert all(row["relative_l2_max"] == row["kld_with_reference_through_layer"] == 0
+               for row in itself["divergence"]["layer_error"])
