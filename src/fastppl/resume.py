@@ -80,7 +80,7 @@ def weights_digest(model: torch.nn.Module) -> str:
     with torch.no_grad():   # blocks kept in a checkpoint's stored form (streamed) count by their stored bytes
         state = {name: t for name, t in model.state_dict().items() if not t.is_meta}
         for i, block in enumerate(getattr(model, "stored_blocks", None) or ()):
-            state.update({f"stored_blocks.{i}.{j}": raw for j, (raw, _, _) in enumerate(block.items)})
+            state.update({f"stored_blocks.{i}.{j}": raw for j, raw in enumerate(block.stored_tensors())})
         sums = torch.stack([t.detach().sum(dtype=torch.float64) for t in state.values()]).cpu().tolist()
     described = [[name, list(t.shape), str(t.dtype), total] for (name, t), total in zip(state.items(), sums)]
     return hashlib.sha256(json.dumps(described).encode()).hexdigest()

@@ -119,8 +119,8 @@ def rest_in_host_memory(model: nn.Module, device: torch.device) -> str:
         model.to(device)
     finally:
         model.blocks = blocks
-    if getattr(model, "stored_blocks", None) is not None:
-        return f"the {device.type} device in their stored (quantized) form, decoded a block at a time"
+    if getattr(model, "stored_blocks", None) is not None:   # a quantized checkpoint's, or blocks left in files
+        return model.stored_blocks[0].rests_in.format(device=device.type)
     blocks.to("cpu")   # random weights were drawn on the device
     if device.type != "cuda":
         return "host memory (the device's own)"

@@ -127,6 +127,18 @@ def deep_llama(tmp_path_factory, shakespeare):
     return directory
 
 
+def test_blocks_stay_in_the_checkpoints_files_where_host_memory_is_short(deep_llama, tmp_path, monkeypatch):
+    import fastppl.models.loading as loading
+    monkeypatch.setattr(loading, "available_host_memory", lambda: 2**20)   # less than the blocks take
+    streamed = assert_streamed_equals_resident(model=str(deep_llama), data=[str(deep_llama.parent / "text.txt")],
+                                               ctx=32, batch_size=2, per_token=str(tmp_path / "t.npy"))
+    assert streamed["streaming"]["blocks_rest_in"] == ("the checkpoint's files (host memory is short of the blocks: "
+                                                       "read a block at a time)")
+    from fastppl.models.loading import load_model
+    from fastppl.resume import weights_digest   # a resumed or distributed run's check reads the files' blocks
+    assert len({weights_digest(load_model(str(deep_llama), streamed=True)) for _ in range(2)}) == 1
+
+
 def test_auto_streams_where_the_weights_exceed_the_limit_and_says_why(deep_llama, tmp_path):
     settings = dict(model=str(deep_llama), data=[str(deep_llama.parent / "text.txt")], ctx=32, batch_size=2,
                     per_token=str(tmp_path / "t.npy"))

@@ -20,7 +20,8 @@ from .gpt2 import GPT2, PRESETS
 from .hf_backend import HFCausalLM
 from .registry import ModelSpec, NotNative, native_model_types, presets, spec_for_model_type, spec_of, spec_of_preset
 from .settings import check_sizes_and_factors, with_nested_keys
-from .weights import StoredTensor, fill_parameters, index_checkpoint, safetensors_index, stored_blocks
+from .weights import (FileBlock, StoredBlock, StoredTensor, fill_parameters, index_checkpoint, safetensors_index,
+                      stored_blocks)
 
 NATIVE_MODEL_TYPES = native_model_types()
 RANDOM_PREFIX = "random:"
@@ -341,8 +342,10 @@ def _load_native(directory: Path, family: ModelSpec, config, dtype: torch.dtype,
                            "the checkpoint is corrupt") from None
     # all checked before allocating
     pieces = family.checkpoint_pieces(model, index or checkpoint_index(directory), str(directory))
-    if streamed and any(stored.decode is not None for stored, _ in pieces):
-        model.stored_blocks, pieces = stored_blocks(pieces, len(model.blocks), torch.device(device))
+    quantized = any(stored.decode is not None for stored, _ in pieces)
+    if streamed and (quantized or host_memory_short_of(model.blocks, dtype)):
+        model.stored_blocks, pieces = stored_blocks(pieces, len(model.blocks), torch.device(device),
+                                                    StoredBlock if quantized else FileBlock)
         blocks, model.blocks = model.blocks, nn.ModuleList()   # the rest of the model allocated and filled
         _allocate_parameters(model, dtype, device)
         fill_parameters(model, pieces)
@@ -351,6 +354,29 @@ def _load_native(directory: Path, family: ModelSpec, config, dtype: torch.dtype,
     _allocate_parameters(model, dtype, device)
     fill_parameters(model, pieces)
     return model.eval()
+
+
+# the blocks rest in host memory where they take at most this share of what is available
+HOST_SHARE = 0.9
+
+
+def available_host_memory() -> Optional[int]:
+    """The host memory available to a new allocation (MemAvailable of /proc/meminfo), or None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def host_memory_short_of(blocks: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether the (meta) blocks in dtype take more than HOST_SHARE of the available host memory."""
+    available = available_host_memory()
+    needed = sum(p.numel() for p in blocks.parameters()) * dtype.itemsize
+    return available is not None and needed > HOST_SHARE * available
 
 
 def _allocate_parameters(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> None:

@@ -168,6 +168,8 @@ class StoredBlock:
     its quantized bytes), turned into the block's parameters on demand (fastppl.engine.streamed), by the same
     decoding and conversion as loading does, so that the values are the loaded model's bit for bit."""
 
+    rests_in = "the {device} device in their stored (quantized) form, decoded a block at a time"
+
     def __init__(self, pieces: list[tuple[StoredTensor, Piece]], device: torch.device):
         self.items = []
         for stored, piece in sorted(pieces, key=lambda p: (str(p[0].file), p[0].offset)):
@@ -177,6 +179,9 @@ class StoredBlock:
             self.items.append((raw.to(device), stored, piece))
         self.stored_bytes = sum(raw.numel() * raw.element_size() for raw, _, _ in self.items)
 
+    def stored_tensors(self) -> list[torch.Tensor]:
+        return [raw for raw, _, _ in self.items]
+
     def fill(self, parameters: dict[str, torch.Tensor]) -> None:
         """parameters: the block's, by their names within it."""
         for raw, stored, piece in self.items:
@@ -184,10 +189,29 @@ class StoredBlock:
             _copy_converted(values, _rows(parameters[piece.parameter], piece), piece.transpose)
 
 
-def stored_blocks(pieces: list[tuple[StoredTensor, Piece]], n_layer: int,
-                  device: torch.device) -> tuple[list[StoredBlock], list[tuple[StoredTensor, Piece]]]:
-    """The pieces of each block ("blocks.{i}.*", renamed within the block) as StoredBlocks on the device, and the
-    pieces of the rest of the model."""
+class FileBlock:
+    """One block's checkpoint tensors left in their files, for a host whose memory cannot hold the blocks: read
+    into the block's parameters on demand (through the page cache), converted as loading converts them."""
+    rests_in = "the checkpoint's files (host memory is short of the blocks: read a block at a time)"
+    stored_bytes = 0   # nothing kept on the device
+
+    def __init__(self, pieces: list[tuple[StoredTensor, Piece]], device: torch.device):
+        self.items = sorted(pieces, key=lambda p: (str(p[0].file), p[0].offset))
+
+    def stored_tensors(self) -> list[torch.Tensor]:
+        """Read from the files (a weights digest, once a run)."""
+        return [read_tensor(stored) for stored, _ in self.items]
+
+    def fill(self, parameters: dict[str, torch.Tensor]) -> None:
+        for stored, piece in self.items:
+            with open(stored.file, "rb", buffering=0) as handle:
+                _read_into(handle, stored, _rows(parameters[piece.parameter], piece), piece.transpose)
+
+
+def stored_blocks(pieces: list[tuple[StoredTensor, Piece]], n_layer: int, device: torch.device,
+                  kind: type = StoredBlock) -> tuple[list, list[tuple[StoredTensor, Piece]]]:
+    """The pieces of each block ("blocks.{i}.*", renamed within the block) as StoredBlocks on the device (or
+    FileBlocks), and the pieces of the rest of the model."""
     by_layer: list[list] = [[] for _ in range(n_layer)]
     rest = []
     for stored, piece in pieces:
@@ -196,7 +220,7 @@ def stored_blocks(pieces: list[tuple[StoredTensor, Piece]], n_layer: int,
             rest.append((stored, piece))
         else:
             by_layer[int(match.group(1))].append((stored, piece._replace(parameter=match.group(2))))
-    return [StoredBlock(block, device) for block in by_layer], rest
+    return [kind(block, device) for block in by_layer], rest
 
 
 @dataclass(frozen=True)
