@@ -95,3 +95,12 @@ def related_models(monkeypatch):
 
     monkeypatch.setattr(loading, "random_native", related)
     return related
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one CPU thread for a test of many tiny products (several threads wait on each other there)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

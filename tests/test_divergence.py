@@ -25,13 +25,8 @@ DOCS = ["The quick brown fox jumps over the lazy dog, and then the dog wakes up 
         "of a wife."]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Thousands of tiny products: with several threads on a busy machine each waits on the others (200x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# thousands of tiny products: with several threads on a busy machine each waits on the others (200x slower)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

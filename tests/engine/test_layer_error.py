@@ -23,12 +23,7 @@ TEXT_CHARS, CTX, BOS = 400, 16, 50256
 ERRORS = ("relative_l2_mean", "relative_l2_max", "cosine_mean", "cosine_min", "kld_with_reference_through_layer")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")   # many tiny products: one thread is fastest
 
 
 @pytest.fixture(scope="module")
