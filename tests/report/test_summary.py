@@ -84,6 +84,13 @@ def test_block_protocols_print_no_word_perplexity(report):
     assert "word ppl" not in "\n".join(lines) and lines[8] == f"byte ppl    {report['byte_perplexity']:.6f}"
 
 
+def test_a_word_perplexity_past_the_float_range_prints_its_exponent(report):
+    report.update(words=1, nll_sum=2345.67, word_perplexity=float("inf"))
+    assert "word ppl    exp(2,345.7)  (1 word)   byte ppl" in summary(report)
+    report.update(words=2, word_perplexity=12.5)
+    assert "word ppl    12.5000  (2 words)" in summary(report)
+
+
 def test_a_streamed_run_says_its_waves_and_copies(report):
     assert not any(line.startswith("placement") for line in summary(report).splitlines())   # resident: no line
     report.update(placement="streamed", placement_reason="auto: the weights (140.00GiB) exceed 90% of the device's",

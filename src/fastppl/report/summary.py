@@ -22,7 +22,10 @@ def _word_and_byte_ppl(result: dict) -> str:
     byte_ppl = _figure(result["byte_perplexity"], ".6f")
     if result["window"] == "blocks":   # a protocol's blocks score part of the text, and words count all of it
         return f"byte ppl    {byte_ppl}"
-    return f"word ppl    {_figure(result['word_perplexity'], '.4f')}  ({result['words']:,} words)   byte ppl {byte_ppl}"
+    words, word_ppl = result["words"], _figure(result["word_perplexity"], ".4f")
+    if word_ppl == "inf" and words:   # past the float range (a corpus of very few words): its exponent
+        word_ppl = f"exp({result['nll_sum'] / words:,.1f})"
+    return f"word ppl    {word_ppl}  ({words:,} word{'s' if words != 1 else ''})   byte ppl {byte_ppl}"
 
 
 def summary(result: dict) -> str:
