@@ -72,9 +72,9 @@ def evaluate(config: EvalConfig, reuse: Optional[Reuse] = None) -> EvalResult:
     # where the weights rest (fastppl.runner): on the device, or in host memory for the streamed path
     placement = choose_placement(config, device, run.dtype)
     model = reuse.model("model", (config.model, config.backend, run.dtype, config.seed, str(device),
-                                  placement.streamed),
+                                  placement.streamed, placement.offload_bytes),
                         lambda: load_model(config.model, config.backend, run.dtype, config.seed, device,
-                                           placement.streamed))
+                                           placement.streamed, placement.offload_bytes))
     reference = reuse.model("reference", (*reference_identity(config, run.dtype, reference_device),
                                           placement.streamed),
                             lambda: load_reference(config, run.dtype, reference_device, placement.streamed)) \

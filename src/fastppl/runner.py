@@ -26,7 +26,7 @@ from .accel.apply import (Acceleration, apply_fusions, choose_acceleration, choo
                           divergence_score_fn_for, score_fn_for, streamed_split, tuned_products)
 from .accel.batch_size import MAX_AUTO_BATCH, auto_batch_size, scoring_memory_bound
 from .accel.compile import allow_shapes, compile_score_fn
-from .config import EvalConfig
+from .config import EvalConfig, gguf_spec
 from .data.batching import batch_from_plan, make_batch
 from .data.packing import BatchPlan, split_rows
 from .data.streams import WindowPlan, sliding_stride
@@ -38,7 +38,8 @@ from .engine.streamed import StreamedTrunk, plan_waves, score_streamed, tensor_b
 from .errors import FastpplError, first_line
 from .models.attention import document_attention_backend, varlen_failure
 from .models.hf_backend import HFCausalLM
-from .models.loading import weights_bytes
+from .models.hf_offload import hf_weights_bytes
+from .models.loading import local_checkpoint_dir, weights_bytes
 from .models.registry import spec_of
 from .stages import Batches, Prepared, Run, RunRecord, Windows
 
@@ -54,9 +55,10 @@ def gib(n_bytes: float) -> str:
 
 @dataclass(frozen=True)
 class Placement:
-    name: str                 # "resident" or "streamed"
+    name: str                 # "resident", "streamed" or "offloaded" (a transformers model, fastppl.models.hf_offload)
     reason: str
     limit: Optional[int]      # --max-gpu-memory in bytes; None: the device's own memory
+    offload_bytes: Optional[int] = None   # offloaded: what of the weights the GPU may hold
 
     @property
     def streamed(self) -> bool:
@@ -89,6 +91,11 @@ def choose_placement(config: EvalConfig, device: torch.device, dtype: torch.dtyp
         if needed is not None and config.reference_model:
             reference = weights_bytes(config.reference_model, config.backend, dtype)
             needed = None if reference is None else needed + reference
+    if needed is None and capacity is not None and device.type == "cuda" and config.placement == "auto" \
+            and not config.reference_model:
+        offloaded = offload_placement(config, dtype, capacity, what)
+        if offloaded is not None:
+            return offloaded
     if needed is None:
         why = "no --max-gpu-memory off CUDA" if capacity is None else "the model runs through transformers"
         reason = "--placement resident" if config.placement == "resident" else f"auto: resident ({why})"
@@ -103,6 +110,18 @@ def choose_placement(config: EvalConfig, device: torch.device, dtype: torch.dtyp
         return Placement("resident", f"auto: the weights ({gib(needed)}) fit {what}", config.max_gpu_memory)
     return Placement("streamed", f"auto: the weights ({gib(needed)}) exceed {RESIDENT_SHARE:.0%} of {what}",
                      config.max_gpu_memory)
+
+
+def offload_placement(config: EvalConfig, dtype: torch.dtype, capacity: int, what: str) -> Optional[Placement]:
+    """auto for a checkpoint directory transformers runs: offloaded where its weights (from its config) exceed
+    RESIDENT_SHARE of capacity, else None (resident)."""
+    directory = local_checkpoint_dir(config.model) if not gguf_spec(config.model) else None
+    needed = hf_weights_bytes(directory, dtype) if directory is not None else None
+    if needed is None or needed <= RESIDENT_SHARE * capacity:
+        return None
+    return Placement("offloaded", f"auto: the weights ({gib(needed)}) exceed {RESIDENT_SHARE:.0%} of {what}, and "
+                                  "transformers runs the model: part of it in host memory", config.max_gpu_memory,
+                     offload_bytes=int(RESIDENT_SHARE * capacity))
 
 
 def pinned(tensor: torch.Tensor) -> torch.Tensor:
@@ -179,8 +198,12 @@ class Runner:
         run, model, reference = self.run, self.model, self.reference
         if self.streamed:
             return self._prepare_streamed(plan)
-        self.model = model = model.to(run.device)
-        acceleration = self._choose_acceleration(model, plan, run.config.compile)
+        offloaded = getattr(model, "offloaded", False)
+        if not offloaded:   # accelerate placed an offloaded model's parts, and its hooks move them
+            self.model = model = model.to(run.device)
+        acceleration = self._choose_acceleration(model, plan, "off" if offloaded else run.config.compile)
+        if offloaded:
+            acceleration = dataclasses.replace(acceleration, compile_reason="off (accelerate's hooks run the model)")
         acceleration = apply_fusions(model, run.device, acceleration)
         if reference is not None:
             acceleration, score_fn = divergence_score_fn_for(model, reference, acceleration, run.config.batching,

@@ -70,7 +70,7 @@ class Prepared:
 class RunRecord:
     """What ran, as the Runner (fastppl.runner) records it: the report reads this, not the models."""
     backend: str                                # native, or transformers and why
-    placement: str                              # resident or streamed
+    placement: str                              # resident, streamed or offloaded
     placement_reason: str
     streaming: Optional[dict]                   # streamed: waves, bytes_streamed, copy_seconds(_hidden), blocks_rest_in
     layer_error: Optional[list]                 # --layer-error: a row per block (fastppl.engine.layer_error)

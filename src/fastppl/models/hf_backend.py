@@ -9,10 +9,11 @@ import torch.nn as nn
 
 
 class HFCausalLM(nn.Module):
-    def __init__(self, hf_model: nn.Module, why: str = ""):
+    def __init__(self, hf_model: nn.Module, why: str = "", offloaded: bool = False):
         super().__init__()
         self.hf_model = hf_model
         self.why = why   # why transformers runs this model rather than a native one, for the report
+        self.offloaded = offloaded   # placed by accelerate's device_map (fastppl.models.hf_offload): not moved
         # GPT2LMHeadModel.transformer, LlamaForCausalLM.model, ...: the trunk without the output projection
         self.trunk = hf_model.base_model
         self.lm_head = hf_model.get_output_embeddings()

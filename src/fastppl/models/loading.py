@@ -20,6 +20,7 @@ from .gpt2 import GPT2, PRESETS
 from .hf_backend import HFCausalLM
 from .registry import ModelSpec, NotNative, native_model_types, presets, spec_for_model_type, spec_of, spec_of_preset
 from .settings import check_sizes_and_factors, with_nested_keys
+from .hf_offload import meta_model, offload_device_map, offload_note, require_accelerate
 from .weights import (FileBlock, StoredBlock, StoredTensor, fill_parameters, index_checkpoint, safetensors_index,
                       stored_blocks)
 
@@ -187,7 +188,7 @@ def _weight_files(directory: Path, single: str, pattern: str) -> list[Path]:
     return sorted(directory.glob(pattern))
 
 
-def _load_hf(directory: Path, dtype: torch.dtype, why: str) -> HFCausalLM:
+def _load_hf(directory: Path, dtype: torch.dtype, why: str, device_map: Optional[dict] = None) -> HFCausalLM:
     from transformers import AutoModelForCausalLM
 
     from ..quiet import quiet_transformers
@@ -195,7 +196,7 @@ def _load_hf(directory: Path, dtype: torch.dtype, why: str) -> HFCausalLM:
     try:
         with quiet_transformers():
             hf_model, loading_info = AutoModelForCausalLM.from_pretrained(
-                str(directory), dtype=dtype, output_loading_info=True)
+                str(directory), dtype=dtype, output_loading_info=True, device_map=device_map)
     except Exception as e:
         if "ignore_mismatched_sizes" in str(e):   # its own text points at a report that is not shown
             raise FastpplError(f"{directory}: holds weights of other shapes than its config.json implies; the "
@@ -211,7 +212,15 @@ def _load_hf(directory: Path, dtype: torch.dtype, why: str) -> HFCausalLM:
             f"{directory}: checkpoint lacks {len(missing)} weights (first: {missing[0]}); the file is "
             "incomplete or does not match config.json"
         )
-    return HFCausalLM(hf_model, why)
+    return HFCausalLM(hf_model, why, offloaded=device_map is not None)
+
+
+def _load_offloaded(directory: Path, dtype: torch.dtype, why: str, gpu_bytes: int,
+                    device: torch.device) -> HFCausalLM:
+    """A transformers model bigger than the GPU, part of it in host memory (fastppl.models.hf_offload)."""
+    require_accelerate()
+    device_map = offload_device_map(meta_model(directory), gpu_bytes, dtype, device.index or 0)
+    return _load_hf(directory, dtype, f"{why}; {offload_note(device_map)}", device_map)
 
 
 class NoNativeModel(FastpplError):
@@ -223,14 +232,16 @@ class NoNativeModel(FastpplError):
 
 
 def load_model(spec: str, backend: str = "auto", dtype: torch.dtype = torch.float32, seed: int = 0,
-               device: torch.device | str = "cpu", streamed: bool = False) -> nn.Module:
+               device: torch.device | str = "cpu", streamed: bool = False,
+               offload_bytes: Optional[int] = None) -> nn.Module:
     """A model in eval mode with the engine's interface (hidden states + lm_head). Random weights are
     drawn on `device`, a checkpoint's read straight to it (native models; --backend hf loads on the CPU and the
     caller moves the model). streamed (the layer-major path, fastppl.runner): a native model's blocks rest in host
     memory, or, where the checkpoint stores them quantized (GGUF, compressed-tensors), on `device` in their stored
     form, as the model's `stored_blocks` (fastppl.models.weights.StoredBlock), its blocks left on the meta
     device. Random weights are drawn on `device` either way (the same seed, the same weights, on the same kind of
-    device), for the caller to move their blocks to host memory."""
+    device), for the caller to move their blocks to host memory. offload_bytes (a transformers checkpoint bigger
+    than the GPU, fastppl.runner.choose_placement): what of it the GPU `device` may hold, the rest in host memory."""
     if streamed and not spec.startswith(RANDOM_PREFIX) and not _quantized(spec):
         device = "cpu"
     if spec.startswith(RANDOM_PREFIX):
@@ -249,6 +260,8 @@ def load_model(spec: str, backend: str = "auto", dtype: torch.dtype = torch.floa
         check_config_fits_weights(directory, hf_config, family)
 
     def load_hf(why: str) -> nn.Module:
+        if offload_bytes is not None and not gguf:
+            return _load_offloaded(directory, dtype, why, offload_bytes, torch.device(device)).eval()
         return (load_hf_gguf(gguf, dtype, why) if gguf else _load_hf(directory, dtype, why)).eval()
     if backend == "hf":
         return load_hf("--backend hf")

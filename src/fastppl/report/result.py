@@ -120,7 +120,7 @@ class HowItRan:
     window: str
     dtype: str
     backend: str                                # native, or transformers and why
-    placement: str                              # where the weights rested: resident or streamed (fastppl.runner)
+    placement: str                              # resident, streamed or offloaded (fastppl.runner)
     placement_reason: str
     streaming: Optional[dict]                   # streamed: waves, bytes_streamed, copy_seconds(_hidden), blocks_rest_in
     compile: str
