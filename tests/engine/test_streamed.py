@@ -127,16 +127,36 @@ def deep_llama(tmp_path_factory, shakespeare):
     return directory
 
 
-def test_blocks_stay_in_the_checkpoints_files_where_host_memory_is_short(deep_llama, tmp_path, monkeypatch):
+def test_blocks_stay_in_the_checkpoints_files_where_host_memory_is_short(deep_llama, tmp_path, monkeypatch,
+                                                                         capsys):
     import fastppl.models.loading as loading
     monkeypatch.setattr(loading, "available_host_memory", lambda: 2**20)   # less than the blocks take
     streamed = assert_streamed_equals_resident(model=str(deep_llama), data=[str(deep_llama.parent / "text.txt")],
                                                ctx=32, batch_size=2, per_token=str(tmp_path / "t.npy"))
     assert streamed["streaming"]["blocks_rest_in"] == ("the checkpoint's files (host memory is short of the blocks: "
                                                        "read a block at a time)")
+    warning = capsys.readouterr().err.splitlines()[-1]
+    assert warning.startswith("fastppl: warning: the blocks take ") and "host memory available (0.00 GiB)" in warning
     from fastppl.models.loading import load_model
     from fastppl.resume import weights_digest   # a resumed or distributed run's check reads the files' blocks
     assert len({weights_digest(load_model(str(deep_llama), streamed=True)) for _ in range(2)}) == 1
+
+
+def test_a_checkpoint_that_goes_during_a_run_from_its_files_is_one_line(deep_llama, tmp_path, monkeypatch):
+    import shutil
+
+    import fastppl.models.loading as loading
+    from fastppl.models.weights import FileBlock
+    monkeypatch.setattr(loading, "available_host_memory", lambda: 2**20)
+    moved = shutil.copytree(deep_llama, tmp_path / "llama")
+    real_fill = FileBlock.fill
+
+    def fill_then_remove(self, parameters):   # the file goes once the first block is read
+        real_fill(self, parameters)
+        (moved / "model.safetensors").unlink(missing_ok=True)
+    monkeypatch.setattr(FileBlock, "fill", fill_then_remove)
+    with pytest.raises(FastpplError, match=r"model.safetensors: could not be read during the run .*keep it in place"):
+        run(model=str(moved), data=[str(deep_llama.parent / "text.txt")], ctx=32, batch_size=2, placement="streamed")
 
 
 def test_auto_streams_where_the_weights_exceed_the_limit_and_says_why(deep_llama, tmp_path):

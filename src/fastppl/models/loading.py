@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import re
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -386,10 +387,16 @@ def available_host_memory() -> Optional[int]:
 
 
 def host_memory_short_of(blocks: nn.Module, dtype: torch.dtype) -> bool:
-    """Whether the (meta) blocks in dtype take more than HOST_SHARE of the available host memory."""
+    """Whether the (meta) blocks in dtype take more than HOST_SHARE of the available host memory (said in one
+    warning: they are then read from the checkpoint's files, more slowly)."""
     available = available_host_memory()
     needed = sum(p.numel() for p in blocks.parameters()) * dtype.itemsize
-    return available is not None and needed > HOST_SHARE * available
+    if available is None or needed <= HOST_SHARE * available:
+        return False
+    print(f"fastppl: warning: the blocks take {needed / 2**30:.2f} GiB, more than {HOST_SHARE:.0%} of the host "
+          f"memory available ({available / 2**30:.2f} GiB): they stay in the checkpoint's files and are read a "
+          "block at a time, more slowly than from memory", file=sys.stderr)
+    return True
 
 
 def _allocate_parameters(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> None:

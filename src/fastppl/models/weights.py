@@ -204,8 +204,12 @@ class FileBlock:
 
     def fill(self, parameters: dict[str, torch.Tensor]) -> None:
         for stored, piece in self.items:
-            with open(stored.file, "rb", buffering=0) as handle:
-                _read_into(handle, stored, _rows(parameters[piece.parameter], piece), piece.transpose)
+            try:
+                with open(stored.file, "rb", buffering=0) as handle:
+                    _read_into(handle, stored, _rows(parameters[piece.parameter], piece), piece.transpose)
+            except OSError as error:   # the file moved or went during the run
+                raise FastpplError(f"{stored.file}: could not be read during the run ({first_line(error)}); the "
+                                   "checkpoint's blocks are read from it a block at a time: keep it in place") from None
 
 
 def stored_blocks(pieces: list[tuple[StoredTensor, Piece]], n_layer: int, device: torch.device,
