@@ -13,8 +13,9 @@ magnitude, random 6-bit scales and 4-bit values: weights of mean about 0 and s.d
 same weights dequantized to F16 (fastppl's dequantizer, on CUDA where there is one): the pair whose divergence is
 the kernels' alone. Its vocabulary is GPT-2's (--tokenizer-dir: vocab.json and merges.txt; ../shared/data beside
 the checkout by default) padded with control tokens to the shape's vocabulary. `llama-3-8b` is 4096 wide, 32
-layers, 14,336 MLP, 32 heads of which 8 key-value, 128,256 ids (4.6 GB of Q4_K, 16 GB of F16); `tiny` is 256
-wide, 2 layers (a few MB) for the CPU.
+layers, 14,336 MLP, 32 heads of which 8 key-value, 128,256 ids (4.6 GB of Q4_K, 16 GB of F16); `llama-3-70b` is
+8192 wide, 80 layers, 28,672 MLP, 64 heads of which 8 key-value (about 40 GB of Q4_K); `tiny` is 256 wide, 2 layers
+(a few MB) for the CPU.
 
 What differs between the two tools, and why their figures differ (a few 0.1 % of PPL on a Q4 file): llama.cpp
 multiplies the quantized weights by activations quantized to 8 bits (q8_1 / q8_K blocks: its CPU dot products and
@@ -341,6 +342,7 @@ class Shape:
 
 
 SHAPES = {"llama-3-8b": Shape(4096, 32, 14336, 32, 8, 128256),
+          "llama-3-70b": Shape(8192, 80, 28672, 64, 8, 128256),   # the streamed path's 70B check (docs/big-models.md)
           "tiny": Shape(256, 2, 512, 4, 2, 50304, context=1024)}
 Q4_K_VALUES, Q4_K_BYTES = 256, 144   # a block: fp16 d and dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles
 # d of every block is about this; dmin = 7.5 d centres d * scale * q - dmin * min (all uniform) on 0, s.d. ~ 0.02
