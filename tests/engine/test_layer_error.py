@@ -190,3 +190,11 @@ def test_packed_documents_keep_the_runs_figures(related_models, tokenizer_dir, t
     itself = _evaluate(tokenizer_dir, corpus, "llama-tiny", reference_seed=0, layer_error=True, **settings)
     assert all(row["relative_l2_max"] == row["kld_with_reference_through_layer"] == 0
                for row in itself["divergence"]["layer_error"])
+
+
+def test_layer_error_runs_in_one_process_only(text_path):
+    from fastppl.config import check_one_process
+    config = EvalConfig(model="random:gpt2-tiny", reference_model="random:gpt2-tiny", reference_seed=1,
+                        data=[str(text_path)], layer_error=True)
+    with pytest.raises(FastpplError, match="--layer-error runs in one process only"):
+        check_one_process(config)
