@@ -401,7 +401,7 @@ def _check_placement(config: EvalConfig) -> None:
             ("--backend hf", config.backend == "hf", "runs the model through transformers"),
             ("--reference-device", config.reference_device is not None, "runs the reference on a device of its own")):
         if given:
-            fix = "use --placement resident" if path == "--placement streamed" else "drop --layer-error"
+            fix = "drop --layer-error" if config.layer_error else "use --placement resident"
             raise FastpplError(f"{flag} does not work with {path} (it {why}, and the streamed path runs a native "
                                f"model's blocks one at a time); drop {flag} or {fix}")
 

@@ -79,10 +79,12 @@ def weights_digest(model: torch.nn.Module) -> str:
     models of other shapes, seeds or checkpoints differ in it, without hashing gigabytes of bytes."""
     with torch.no_grad():   # blocks kept in a checkpoint's stored form (streamed) count by their stored bytes
         state = {name: t for name, t in model.state_dict().items() if not t.is_meta}
-        for i, block in enumerate(getattr(model, "stored_blocks", None) or ()):
-            state.update({f"stored_blocks.{i}.{j}": raw for j, raw in enumerate(block.stored_tensors())})
         sums = torch.stack([t.detach().sum(dtype=torch.float64) for t in state.values()]).cpu().tolist()
-    described = [[name, list(t.shape), str(t.dtype), total] for (name, t), total in zip(state.items(), sums)]
+        described = [[name, list(t.shape), str(t.dtype), total] for (name, t), total in zip(state.items(), sums)]
+        for i, block in enumerate(getattr(model, "stored_blocks", None) or ()):
+            # one tensor at a time: blocks left in their files (host memory short) are read here, not all held
+            described += [[f"stored_blocks.{i}.{j}", list(raw.shape), str(raw.dtype),
+                           float(raw.sum(dtype=torch.float64))] for j, raw in enumerate(block.stored_tensors())]
     return hashlib.sha256(json.dumps(described).encode()).hexdigest()
 
 

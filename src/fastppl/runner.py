@@ -224,6 +224,9 @@ class Runner:
         run, config = self.run, self.run.config
         for model in self.models:
             if spec_of(model) is None:
+                if config.layer_error:
+                    raise FastpplError("--layer-error runs fastppl's native model families block by block; this "
+                                       "model runs through transformers: drop --layer-error")
                 raise FastpplError("--placement streamed runs fastppl's native model families block by block; this "
                                    "model runs through transformers: use --placement resident")
         self.blocks_rest_in = ", ".join(dict.fromkeys(rest_in_host_memory(m, run.device) for m in self.models))

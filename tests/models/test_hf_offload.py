@@ -9,6 +9,7 @@ import torch
 import transformers
 
 from fastppl.config import EvalConfig
+from fastppl.errors import FastpplError
 from fastppl.models.hf_offload import hf_weights_bytes, meta_model, offload_device_map
 from fastppl.models.loading import _load_hf
 from fastppl.pipeline import evaluate
@@ -59,11 +60,22 @@ def test_the_device_map_keeps_the_rest_on_the_gpu_and_the_layers_in_order(neox):
         assert layers == [0] * fitting + ["cpu"] * (N_LAYER - fitting)
         assert device_map == {"lm_head": 0, "gpt_neox.embed_in": 0, "gpt_neox.emb_dropout": 0,
                               "gpt_neox.final_layer_norm": 0, "gpt_neox.rotary_emb": 0}
+    with pytest.raises(FastpplError, match=r"layer's copy, take [\d.,]+ MiB, more than the [\d.,]+ MiB the GPU"):
+        offload_device_map(model, rest + layer - 1, torch.float32, 0)
+
+
+def test_a_quantized_transformers_checkpoint_is_not_offloaded_by_its_unquantized_size(neox, tmp_path):
+    directory, _ = neox
+    quantized = tmp_path / "quantized"
+    quantized.mkdir()
+    config = json.loads((directory / "config.json").read_text())
+    (quantized / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "gptq"}}))
+    assert hf_weights_bytes(quantized, torch.bfloat16) is None
 
 
 def test_a_model_loaded_by_the_map_scores_as_the_model_loaded_whole(neox, tokenizer_dir, tmp_path):
     directory, _ = neox
-    device_map = offload_device_map(meta_model(directory), 0, torch.float32, "cpu")   # the map's keys, on the CPU
+    device_map = offload_device_map(meta_model(directory), 2**40, torch.float32, "cpu")   # the map's keys, on the CPU
     mapped = _load_hf(directory, torch.float32, "test", device_map)
     whole = _load_hf(directory, torch.float32, "test")
     ids = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(0))

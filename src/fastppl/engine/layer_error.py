@@ -6,7 +6,7 @@ The hybrids' KLD from the reference, read down the layers, says which block's er
 layer hurts" table); the last hybrid differs from the reference by the final norm and output projection alone.
 
 At block i the model's block runs over every hybrid begun before it (the block is on the device once per wave), so
-a wave holds up to n_layer + 2 residual streams per batch, and the blocks run n_layer (n_layer + 1) / 2 times more.
+a wave holds up to n_layer + 2 residual streams per batch, and a batch runs n_layer (n_layer - 1) / 2 more blocks.
 The sums are fp64 on the device, reduced (summed, maxed, minned) over positions, read once at the end."""
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 
 from .divergence import KLD_COLUMN
 from .score import DeviceBatch
+from .streamed import normed_one_at_a_time
 
 # per layer: the sums of the relative L2 error and of the cosine, the worst of each, and the hybrid's KLD sum
 REL_SUM, REL_MAX, COS_SUM, COS_MIN, KLD_SUM = range(5)
@@ -57,15 +58,16 @@ class LayerErrors:
         for layer, (block, reference_block) in enumerate(zip_longest(model.blocks_of_wave(more_waves),
                                                                      reference.blocks_of_wave(more_waves))):
             for i, batch in enumerate(wave):
-                hybrids[i] = [model.run_block(block, state, batch) for state in hybrids[i]]
+                for j, state in enumerate(hybrids[i]):   # each replaced as it goes: one stream more at most
+                    hybrids[i][j] = model.run_block(block, state, batch)
                 states[i] = model.run_block(block, states[i], batch)
                 reference_states[i] = reference.run_block(reference_block, reference_states[i], batch)
                 self.compare(layer, states[i][0], reference_states[i][0], batch.score_mask)
                 x = reference_states[i][0]
                 # the model's own block inputs (its RoPE) from here on; blocks may update their input in place
                 hybrids[i].append((x.clone(), states[i][1]))
-        self.hybrids = [[model.final_norm(x) for x, _ in batch_hybrids] for batch_hybrids in hybrids]
-        return [[model.final_norm(x) for x, _ in states], [reference.final_norm(x) for x, _ in reference_states]]
+        self.hybrids = [normed_one_at_a_time(model, batch_hybrids) for batch_hybrids in hybrids]
+        return [normed_one_at_a_time(model, states), normed_one_at_a_time(reference, reference_states)]
 
     def add_hybrids(self, loss_fn: Callable, i: int, reference_hidden: torch.Tensor, batch: DeviceBatch) -> None:
         """Each hybrid's KLD from the reference, summed over batch i's scored positions; its hybrids freed."""

@@ -48,6 +48,8 @@ class StreamedBlocks:
         self.named_buffer_parameters = [dict(buffer.named_parameters()) for buffer in self.buffers]
         self.block_bytes = tensor_bytes(self.buffer_parameters[0])
         self.cuda = device.type == "cuda"
+        # blocks read from files: the host reads them, in order on the compute stream (nothing to overlap)
+        self.host_reads = bool(stored) and getattr(stored[0], "reads_files", False)
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.copied: list = [None, None]     # per buffer: the event of its last copy's end (CUDA)
         self.released: list = [None, None]   # per buffer: the event of its last use's end (CUDA)
@@ -56,10 +58,11 @@ class StreamedBlocks:
 
     def fetch(self, step: int, layer: int) -> None:
         slot = step % 2
-        if not self.cuda:   # one device: nothing to overlap
+        if not self.cuda or self.host_reads:   # nothing to overlap
             started = time.perf_counter()
             self._fill(slot, layer)
             self.copy_seconds += time.perf_counter() - started
+            self.copied[slot] = None
         else:
             with torch.cuda.stream(self.copy_stream):
                 if self.released[slot] is not None:
@@ -83,7 +86,7 @@ class StreamedBlocks:
         """The buffer of this step, once its copy is done. The compute stream's wait is timed: the copying it did
         not hide."""
         slot = step % 2
-        if self.cuda:
+        if self.cuda and self.copied[slot] is not None:
             before, after = _timing_event(), _timing_event()
             before.record()
             torch.cuda.current_stream().wait_event(self.copied[slot])
@@ -102,8 +105,8 @@ class StreamedBlocks:
             return self.copy_seconds, 0.0
         torch.cuda.synchronize()
         elapsed = lambda pairs: sum(begin.elapsed_time(end) for begin, end in pairs) / 1000  # noqa: E731
-        copying = elapsed(self.copy_events)
-        return copying, max(copying - elapsed(self.wait_events), 0.0)
+        copying = elapsed(self.copy_events)   # the side stream's; the host's reads hid nothing
+        return copying + self.copy_seconds, max(copying - elapsed(self.wait_events), 0.0)
 
 
 def _timing_event() -> torch.cuda.Event:
@@ -152,7 +155,18 @@ class StreamedTrunk:
         for block in self.blocks_of_wave(more_waves):
             for i, batch in enumerate(wave):   # in place: one batch's stream more than the wave's at once
                 states[i] = self.run_block(block, states[i], batch)
-        return [self.final_norm(x) for x, _ in states]
+        return normed_one_at_a_time(self, states)
+
+
+def normed_one_at_a_time(trunk: StreamedTrunk, states: list[tuple[torch.Tensor, tuple]]) -> list[torch.Tensor]:
+    """The final norm of each state, each state dropped as its norm is made (states is emptied): one batch's
+    stream more than the wave's at once, not twice the wave's."""
+    normed = []
+    while states:
+        x, _ = states.pop(0)
+        normed.append(trunk.final_norm(x))
+        del x
+    return normed
 
 
 def plan_waves(plans: Sequence, hidden_bytes: Callable[[object], int], capacity: int) -> list[list]:

@@ -29,6 +29,8 @@ def hf_weights_bytes(directory: Path, dtype: torch.dtype) -> Optional[int]:
         model = meta_model(directory)
     except Exception:   # noqa: BLE001 -- any failure is the loader's to report, in its own words
         return None
+    if getattr(model.config, "quantization_config", None):   # stored smaller than its dtype: loaded as it is
+        return None
     return sum(p.numel() for p in model.parameters()) * dtype.itemsize
 
 
@@ -63,6 +65,11 @@ def offload_device_map(model: nn.Module, gpu_bytes: int, dtype: torch.dtype,
                 device_map[prefix + name] = gpu
     layer_bytes = [_parameter_bytes(layer, dtype) for layer in layers]
     room = gpu_bytes - (_parameter_bytes(model, dtype) - sum(layer_bytes)) - max(layer_bytes)
+    if room < 0:
+        needed = gpu_bytes - room
+        raise FastpplError(f"the model's embeddings, output projection and other weights beside its layers, with one "
+                           f"layer's copy, take {needed / 2**20:,.1f} MiB, more than the {gpu_bytes / 2**20:,.1f} MiB "
+                           "the GPU may hold; give more --max-gpu-memory, or a smaller model")
     for i, size in enumerate(layer_bytes):
         on_gpu = room >= size and all(device_map.get(f"{layers_name}.{j}") == gpu for j in range(i))
         device_map[f"{layers_name}.{i}"] = gpu if on_gpu else "cpu"

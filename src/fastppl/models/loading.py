@@ -375,22 +375,33 @@ HOST_SHARE = 0.9
 
 
 def available_host_memory() -> Optional[int]:
-    """The host memory available to a new allocation (MemAvailable of /proc/meminfo), or None where unknown."""
+    """The host memory available to a new allocation: MemAvailable of /proc/meminfo, or less where this process'
+    control group (a container's limit) leaves less; None where unknown."""
+    available = None
     try:
         with open("/proc/meminfo", encoding="ascii") as meminfo:
             for line in meminfo:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
+        return None
+    try:   # cgroup v2: memory.max ("max" where unlimited) less what the group uses
+        group = Path("/sys/fs/cgroup")
+        limit = (group / "memory.max").read_text().strip()
+        if limit != "max" and available is not None:
+            available = min(available, int(limit) - int((group / "memory.current").read_text()))
+    except (OSError, ValueError):
         pass
-    return None
+    return available
 
 
 def host_memory_short_of(blocks: nn.Module, dtype: torch.dtype) -> bool:
     """Whether the (meta) blocks in dtype take more than HOST_SHARE of the available host memory (said in one
     warning: they are then read from the checkpoint's files, more slowly)."""
     available = available_host_memory()
-    needed = sum(p.numel() for p in blocks.parameters()) * dtype.itemsize
+    # each process of this machine (torchrun's LOCAL_WORLD_SIZE) holds its own copy of the blocks
+    copies = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    needed = sum(p.numel() for p in blocks.parameters()) * dtype.itemsize * copies
     if available is None or needed <= HOST_SHARE * available:
         return False
     print(f"fastppl: warning: the blocks take {needed / 2**30:.2f} GiB, more than {HOST_SHARE:.0%} of the host "

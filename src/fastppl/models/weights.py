@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
-from typing import Callable, Iterable, NamedTuple, Optional
+from typing import Callable, Iterable, Iterator, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -194,13 +194,14 @@ class FileBlock:
     into the block's parameters on demand (through the page cache), converted as loading converts them."""
     rests_in = "the checkpoint's files (host memory is short of the blocks: read a block at a time)"
     stored_bytes = 0   # nothing kept on the device
+    reads_files = True   # the host reads each block when its turn comes (fastppl.engine.streamed)
 
     def __init__(self, pieces: list[tuple[StoredTensor, Piece]], device: torch.device):
         self.items = sorted(pieces, key=lambda p: (str(p[0].file), p[0].offset))
 
-    def stored_tensors(self) -> list[torch.Tensor]:
-        """Read from the files (a weights digest, once a run)."""
-        return [read_tensor(stored) for stored, _ in self.items]
+    def stored_tensors(self) -> Iterator[torch.Tensor]:
+        """Read from the files one at a time (a weights digest, once a run)."""
+        return (read_tensor(stored) for stored, _ in self.items)
 
     def fill(self, parameters: dict[str, torch.Tensor]) -> None:
         for stored, piece in self.items:
