@@ -31,10 +31,11 @@ def hf_weights_bytes(directory: Path, dtype: torch.dtype) -> Optional[int]:
         return None
     if getattr(model.config, "quantization_config", None):   # stored smaller than its dtype: loaded as it is
         return None
-    return sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    return parameter_bytes(model, dtype)
 
 
-def _parameter_bytes(module: nn.Module, dtype: torch.dtype) -> int:
+def parameter_bytes(module: nn.Module, dtype: torch.dtype) -> int:
+    """The bytes of a module's parameters (a tied one once) in dtype, real or on the meta device."""
     return sum(p.numel() for p in module.parameters()) * dtype.itemsize
 
 
@@ -63,15 +64,16 @@ def offload_device_map(model: nn.Module, gpu_bytes: int, dtype: torch.dtype,
         for name, _ in parent.named_children():
             if name != path[depth]:
                 device_map[prefix + name] = gpu
-    layer_bytes = [_parameter_bytes(layer, dtype) for layer in layers]
-    room = gpu_bytes - (_parameter_bytes(model, dtype) - sum(layer_bytes)) - max(layer_bytes)
+    layer_bytes = [parameter_bytes(layer, dtype) for layer in layers]
+    room = gpu_bytes - (parameter_bytes(model, dtype) - sum(layer_bytes)) - max(layer_bytes)
     if room < 0:
         needed = gpu_bytes - room
         raise FastpplError(f"the model's embeddings, output projection and other weights beside its layers, with one "
                            f"layer's copy, take {needed / 2**20:,.1f} MiB, more than the {gpu_bytes / 2**20:,.1f} MiB "
                            "the GPU may hold; give more --max-gpu-memory, or a smaller model")
+    on_gpu = True   # a prefix of the layers: once one goes to host memory, those after it go too
     for i, size in enumerate(layer_bytes):
-        on_gpu = room >= size and all(device_map.get(f"{layers_name}.{j}") == gpu for j in range(i))
+        on_gpu = on_gpu and room >= size
         device_map[f"{layers_name}.{i}"] = gpu if on_gpu else "cpu"
         room -= size if on_gpu else 0
     return device_map

@@ -21,7 +21,7 @@ from .gpt2 import GPT2, PRESETS
 from .hf_backend import HFCausalLM
 from .registry import ModelSpec, NotNative, native_model_types, presets, spec_for_model_type, spec_of, spec_of_preset
 from .settings import check_sizes_and_factors, with_nested_keys
-from .hf_offload import meta_model, offload_device_map, offload_note, require_accelerate
+from .hf_offload import meta_model, offload_device_map, offload_note, parameter_bytes, require_accelerate
 from .weights import (FileBlock, StoredBlock, StoredTensor, fill_parameters, index_checkpoint, safetensors_index,
                       stored_blocks)
 
@@ -314,7 +314,7 @@ def weights_bytes(spec: str, backend: str, dtype: torch.dtype) -> Optional[int]:
             model = family.model_class(config)
     except (NotNative, KeyError, TypeError, ValueError, AssertionError):
         return None   # loading the model says what is wrong with it
-    return sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    return parameter_bytes(model, dtype)
 
 
 def _native_config(directory: Path, family: ModelSpec, hf_config: dict):
@@ -401,7 +401,7 @@ def host_memory_short_of(blocks: nn.Module, dtype: torch.dtype) -> bool:
     available = available_host_memory()
     # each process of this machine (torchrun's LOCAL_WORLD_SIZE) holds its own copy of the blocks
     copies = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    needed = sum(p.numel() for p in blocks.parameters()) * dtype.itemsize * copies
+    needed = parameter_bytes(blocks, dtype) * copies
     if available is None or needed <= HOST_SHARE * available:
         return False
     print(f"fastppl: warning: the blocks take {needed / 2**30:.2f} GiB, more than {HOST_SHARE:.0%} of the host "
